@@ -1,0 +1,361 @@
+"""The label-preserving Fast Lagrangian solver of LP-A3 (input gradients only).
+
+Solves, for each sample (Yang et al., NeurIPS 2022, eq. 6; solver: Fast Lagrangian
+perceptual attack, Laidlaw et al., ICLR 2021, Alg. 3, as adapted in the authors' code)::
+
+    x' = argmax ||phi(x') - phi(x)||_2   s.t.   log F(x')[y] >= log F(x)[y] - sigma
+
+where ``phi`` are the model's own normalised activations (:mod:`lpa3_lightning.features`).
+The loop is the authors' code's (METHOD.md): ``delta ~ U(-0.01, 0.01)``; for ``t < T``:
+``step_t = sigma * 0.1**(t/T)``, ``lambda_t = lam * 0.1**(1 - t/T)``, gradient of
+``-mean dist + lambda_t * mean relu(logp(x) - logp(x+delta) - sigma)`` w.r.t. ``delta``,
+normalised per sample, and a step of ``step_t / slope`` where the slope of ``log p`` along
+the step comes from a finite difference with ``h = 0.1``.
+
+Improvement over the authors' code (``project=True``, the default): their step divides by
+the slope of ``log p``, which is near zero where the model is confident, so the step
+explodes and the constraint is often violated (METHOD.md: kept on 27% to 79% of samples).
+Here every returned ``x'`` that broke the constraint is pulled back towards ``x`` along
+its own perturbation by bisection, so ``log p(y|x') >= log p(y|x) - sigma`` holds for every
+sample under the forward the attack used. ``project=False`` returns the authors' loop as is.
+
+Invariants: parameters, their ``.grad``, the main BatchNorm running statistics and every
+module's train/eval flag are exactly as before the call (also when it raises); gradients
+are taken with :func:`torch.autograd.grad` w.r.t. the perturbation only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lpa3_lightning.dual_bn import has_dual_bn, use_twin_bn
+from lpa3_lightning.features import PerceptualFeatures
+
+__all__ = ["AttackStats", "InputRange", "lpa3_attack", "resolve_input_range"]
+
+#: Bounds as ``(low, high)`` (floats or per-channel sequences) or a normalisation
+#: ``{"mean": [...], "std": [...]}`` of inputs that lived in ``[0, 1]`` before it.
+InputRange = Union[tuple[Any, Any], Mapping[str, Any], None]
+
+INIT_NOISE = 0.01  # half-width of the uniform initial perturbation (authors)
+FD_STEP = 0.1  # finite-difference step h for the slope of log p (authors)
+SLOPE_EPS = 1e-4  # added to the slope before dividing (authors)
+GRAD_EPS = 1e-8  # added to the gradient norm before normalising (authors)
+
+
+@dataclass
+class AttackStats:
+    """Per-sample diagnostics of one solver call (all ``(N,)``, detached).
+
+    Attributes:
+        perceptual_distance: ``||phi(x') - phi(x)||_2``.
+        logp_drop: ``log p(y|x) - log p(y|x')`` (the constraint is ``<= sigma``).
+        preserved: whether the constraint holds for the returned ``x'``.
+        projected: whether the sample was pulled back by the bisection.
+        l2: ``||x' - x||_2`` in input space.
+    """
+
+    perceptual_distance: Tensor
+    logp_drop: Tensor
+    preserved: Tensor
+    projected: Tensor
+    l2: Tensor
+
+
+def resolve_input_range(input_range: InputRange, x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Turn ``input_range`` into ``(low, high)`` tensors broadcastable to ``x``.
+
+    Per-channel sequences apply along dim 1. A mapping ``{"mean", "std"}`` describes a
+    normalisation ``(v - mean) / std`` of values that were in ``[0, 1]`` (override with a
+    ``"pixel_range": (lo, hi)`` key).
+
+    Raises:
+        ValueError: on a malformed range, naming the argument and the fix.
+    """
+    if input_range is None:
+        return None
+    shape = [1] * x.dim()
+
+    def as_tensor(value: Any, what: str) -> Tensor:
+        t = torch.as_tensor(value, dtype=x.dtype, device=x.device).flatten()
+        if t.numel() == 1:
+            return t.reshape([1] * x.dim())
+        if x.dim() < 2 or t.numel() != x.shape[1]:
+            raise ValueError(
+                f"`input_range` {what} has {t.numel()} values but the input has "
+                f"{x.shape[1] if x.dim() > 1 else 'no'} channels (dim 1). Fix: give one value, or one per channel."
+            )
+        channel_shape = list(shape)
+        channel_shape[1] = t.numel()
+        return t.reshape(channel_shape)
+
+    if isinstance(input_range, Mapping):
+        if not {"mean", "std"} <= set(input_range):
+            raise ValueError(
+                "`input_range` as a mapping needs 'mean' and 'std' (the normalisation applied to [0, 1] "
+                f"inputs), got keys {sorted(input_range)}. Fix: pass {{'mean': [...], 'std': [...]}} or (low, high)."
+            )
+        mean, std = as_tensor(input_range["mean"], "mean"), as_tensor(input_range["std"], "std")
+        if bool((std <= 0).any()):
+            raise ValueError("`input_range` std must be positive.")
+        lo, hi = input_range.get("pixel_range", (0.0, 1.0))
+        low, high = (lo - mean) / std, (hi - mean) / std
+    elif isinstance(input_range, Sequence) and len(input_range) == 2:
+        low, high = as_tensor(input_range[0], "low"), as_tensor(input_range[1], "high")
+    else:
+        raise ValueError(
+            f"`input_range` must be None, (low, high) or {{'mean': ..., 'std': ...}}, got {input_range!r}."
+        )
+    if bool((low >= high).any()):
+        raise ValueError(f"`input_range` needs low < high everywhere, got low={low.flatten().tolist()}, "
+                         f"high={high.flatten().tolist()}.")
+    return low, high
+
+
+def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps: int, lam: float,
+                     temperature: float, bn_mode: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be an nn.Module, got {type(model).__name__}.")
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
+        raise ValueError("`x` must be a floating tensor of shape (N, ...). Fix: pass a batch of inputs.")
+    if not isinstance(y, Tensor) or y.shape != x.shape[:1] or y.is_floating_point():
+        raise ValueError(
+            f"`y` must be an integer tensor of shape ({x.shape[0]},) (one label per sample), got "
+            f"{tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__}."
+        )
+    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"`sigma` must be a positive finite float, got {sigma!r}. Fix: use 0.002 to 0.02 (paper).")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}. Fix: use 5 (the paper's T).")
+    if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
+        raise ValueError(f"`lam` must be a finite float >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+    if bn_mode not in ("eval", "twin"):
+        raise ValueError(f"`bn_mode` must be 'eval' or 'twin', got {bn_mode!r}.")
+    if bn_mode == "twin" and not has_dual_bn(model):
+        raise ValueError("`bn_mode='twin'` needs a model with twin BatchNorms. Fix: call `convert_dual_bn(model)` "
+                         "or use bn_mode='eval'.")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("lpa3_attack needs autograd but runs under torch.inference_mode(). Fix: call it outside.")
+
+
+@contextlib.contextmanager
+def _attack_mode(model: nn.Module, bn_mode: str, update_twin_stats: bool) -> Iterator[None]:
+    """Put ``model`` in the attack's forward mode and restore every module's flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        # eval: BN uses running statistics (nothing moves) and dropout is off, so each
+        # sample's output depends on that sample only and the constraint is exact per sample.
+        model.eval()
+        if bn_mode == "twin":
+            # The authors' mode: twin BNs with batch statistics (the batch couples samples).
+            for m in model.modules():
+                twin = getattr(m, "twin", None)
+                if isinstance(twin, nn.modules.batchnorm._BatchNorm):
+                    twin.train()
+            with use_twin_bn(model, track_running_stats=update_twin_stats):
+                yield
+        else:
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _label_logp(logits: Tensor, y: Tensor, temperature: float) -> Tensor:
+    return F.log_softmax(logits.float() / temperature, dim=1).gather(1, y[:, None]).squeeze(1)
+
+
+def _per_sample(v: Tensor, x: Tensor) -> Tensor:
+    return v.reshape([-1] + [1] * (x.dim() - 1))
+
+
+def lpa3_attack(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    *,
+    sigma: float = 0.02,
+    steps: int = 5,
+    lam: float = 1.0,
+    layers: str | Sequence[str] | None = None,
+    input_range: InputRange = None,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    project: bool = True,
+    bisection_steps: int = 8,
+    bn_mode: Literal["eval", "twin"] = "eval",
+    update_twin_stats: bool = False,
+    logits_fn: Callable[[Any], Tensor] | None = None,
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, AttackStats]:
+    """Generate LP-A3 hard positives ``x'`` for a batch.
+
+    Args:
+        model: the classifier being trained (used as is; features come from forward hooks).
+        x: ``(N, ...)`` inputs, in whatever space the model takes (normalised images,
+            signals, tabular rows).
+        y: ``(N,)`` labels to preserve (true labels or pseudo-labels).
+        sigma: label-preserving margin on ``log p(y|x)``, also the step scale (paper: 0.002
+            for CIFAR-10/STL-10, 0.02 for CIFAR-100 and MedMNIST).
+        steps: solver iterations ``T`` (paper: 5).
+        lam: scale of the Lagrange multiplier schedule ``lam * 0.1**(1 - t/T)`` (authors: 1).
+        layers: feature layers (names / glob patterns); None for the documented default.
+        input_range: valid input bounds, ``(low, high)`` (scalars or per channel) or
+            ``{"mean": ..., "std": ...}`` of a normalisation of ``[0, 1]`` data; None for
+            no clamping (non-image inputs).
+        temperature: softmax temperature of ``log p``.
+        generator: random generator for the initial noise (reproducibility).
+        project: True (default) guarantees the constraint for every returned sample by a
+            bisection towards ``x``; False is the authors' loop unchanged.
+        bisection_steps: halvings of the bisection (resolution ``2**-bisection_steps`` of the
+            perturbation).
+        bn_mode: ``"eval"`` (default): the whole model in eval mode, BN on its running
+            statistics, nothing updated, each sample independent. ``"twin"``: the authors'
+            choice, twin BatchNorms (see :func:`convert_dual_bn`) with batch statistics;
+            the constraint is then checked on the batch as a whole.
+        update_twin_stats: in ``"twin"`` mode, also move the twins' running statistics
+            during the attack, as the authors' code does.
+        logits_fn: maps the model's output to logits (dict / tuple / dataclass outputs).
+        return_stats: also return :class:`AttackStats`.
+
+    Returns:
+        ``x'`` detached, with the shape, dtype and device of ``x``; and the stats if asked.
+
+    Raises:
+        ValueError: on a bad argument (naming it and the fix).
+        TypeError: if the model output is not a tensor and no ``logits_fn`` was given.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        >>> x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+        >>> x_adv, stats = lpa3_attack(net, x, y, return_stats=True)
+        >>> x_adv.shape == x.shape, bool(stats.preserved.all())
+        (True, True)
+    """
+    _check_arguments(model, x, y, sigma, steps, lam, temperature, bn_mode)
+    if isinstance(bisection_steps, bool) or not isinstance(bisection_steps, int) or bisection_steps < 1:
+        raise ValueError(f"`bisection_steps` must be an int >= 1, got {bisection_steps!r}.")
+    y = y.long()
+    n = x.shape[0]
+    if n == 0:
+        empty = torch.zeros(0, device=x.device)
+        stats = AttackStats(empty, empty, empty.bool(), empty.bool(), empty)
+        return (x.detach().clone(), stats) if return_stats else x.detach().clone()
+    if not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x.flatten(1))).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"`x` has NaN or Inf in samples {bad[:10]}. Fix: drop those samples before the attack.")
+    bounds = resolve_input_range(input_range, x)
+    feats = PerceptualFeatures(model, layers=layers, logits_fn=logits_fn)
+    x = x.detach()
+
+    def clamp(v: Tensor) -> Tensor:
+        return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
+
+    with _attack_mode(model, bn_mode, update_twin_stats), torch.enable_grad():
+        with torch.no_grad():
+            logits0, phi0 = feats(x)
+            if logits0.dim() != 2 or int(y.max()) >= logits0.shape[1] or int(y.min()) < 0:
+                raise ValueError(
+                    f"`y` must hold class indices in [0, {logits0.shape[1] - 1}] for logits of shape "
+                    f"{tuple(logits0.shape)}, got values in [{int(y.min())}, {int(y.max())}]."
+                )
+            logp0 = _label_logp(logits0, y, temperature)
+        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+        delta = clamp(x + (2 * noise - 1) * INIT_NOISE) - x
+        for t in range(steps):
+            step = sigma * 0.1 ** (t / steps)
+            lam_t = lam * 0.1 ** (1 - t / steps)
+            delta.requires_grad_(True)
+            logits, phi = feats(x + delta)
+            logp = _label_logp(logits, y, temperature)
+            dist = (phi - phi0).norm(dim=1)
+            loss = -dist.mean() + lam_t * F.relu(logp0 - logp - sigma).mean()
+            (grad,) = torch.autograd.grad(loss, delta)
+            with torch.no_grad():
+                delta = delta.detach()
+                g_hat = grad / (_per_sample(grad.flatten(1).norm(dim=1), x) + GRAD_EPS)
+                logits_fd = feats.model(x + delta - FD_STEP * g_hat)
+                logp_fd = _label_logp(feats.logits_fn(logits_fd), y, temperature)
+                slope = (logp.detach() - logp_fd).abs() / FD_STEP
+                delta = clamp(x + delta - g_hat * _per_sample(step / (slope + SLOPE_EPS), x).to(x.dtype)) - x
+
+        with torch.no_grad():
+            evaluate = _Evaluator(feats, x, y, phi0, logp0, temperature, batch_coupled=bn_mode == "twin")
+            alpha = torch.ones(n, device=x.device)
+            logp_final, dist_final = evaluate(delta, alpha, torch.ones(n, dtype=torch.bool, device=x.device))
+            ok = logp_final >= logp0 - sigma
+            projected = ~ok
+            if project and not bool(ok.all()):
+                alpha, logp_final, dist_final = _bisect(evaluate, delta, ok, logp_final, dist_final, logp0, sigma,
+                                                        bisection_steps)
+                if bn_mode == "twin":  # batch statistics moved with the alphas: re-measure
+                    logp_final, dist_final = evaluate(delta, alpha, torch.ones(n, dtype=torch.bool, device=x.device))
+            x_adv = (x + _per_sample(alpha, x).to(x.dtype) * delta).detach()
+
+    if not return_stats:
+        return x_adv
+    drop = (logp0 - logp_final).detach()
+    stats = AttackStats(
+        perceptual_distance=dist_final.detach(),
+        logp_drop=drop,
+        preserved=drop <= sigma,
+        projected=projected,
+        l2=(x_adv - x).flatten(1).norm(dim=1),
+    )
+    return x_adv, stats
+
+
+class _Evaluator:
+    """``log p(y|x + alpha * delta)`` and the perceptual distance, for a subset of samples."""
+
+    def __init__(self, feats: PerceptualFeatures, x: Tensor, y: Tensor, phi0: Tensor, logp0: Tensor,
+                 temperature: float, batch_coupled: bool) -> None:
+        self.feats, self.x, self.y, self.phi0 = feats, x, y, phi0
+        self.temperature = temperature
+        self.batch_coupled = batch_coupled
+
+    def __call__(self, delta: Tensor, alpha: Tensor, which: Tensor) -> tuple[Tensor, Tensor]:
+        # In eval mode each sample is independent, so only the samples asked for are run;
+        # with batch statistics the whole batch must go through together.
+        rows = torch.ones_like(which) if self.batch_coupled else which
+        x_eval = self.x[rows] + _per_sample(alpha[rows], self.x).to(self.x.dtype) * delta[rows]
+        logits, phi = self.feats(x_eval)
+        logp = _label_logp(logits, self.y[rows], self.temperature)
+        dist = (phi - self.phi0[rows]).norm(dim=1)
+        if self.batch_coupled:
+            return logp[which], dist[which]
+        return logp, dist
+
+
+def _bisect(evaluate: _Evaluator, delta: Tensor, ok: Tensor, logp: Tensor, dist: Tensor, logp0: Tensor,
+            sigma: float, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Largest feasible ``alpha`` in [0, 1] per violating sample (alpha = 0 is x, always feasible).
+
+    Invariant: ``lo`` is feasible (its log p and distance are recorded), ``hi`` is not.
+    """
+    todo = ~ok
+    lo = torch.where(ok, 1.0, 0.0)
+    hi = torch.ones_like(lo)
+    logp = torch.where(ok, logp, logp0)
+    dist = torch.where(ok, dist, torch.zeros_like(dist))
+    for _ in range(steps):
+        mid = torch.where(todo, (lo + hi) / 2, lo)
+        logp_mid, dist_mid = evaluate(delta, mid, todo)
+        good = logp_mid >= logp0[todo] - sigma
+        idx = todo.nonzero().flatten()
+        up, down = idx[good], idx[~good]
+        lo[up] = mid[up]
+        logp[up] = logp_mid[good]
+        dist[up] = dist_mid[good]
+        hi[down] = mid[down]
+    return lo, logp, dist

@@ -1,0 +1,53 @@
+"""The containers passed between a LightningModule and :class:`LPA3Callback`.
+
+Data path: the module offers a :class:`LPA3Request` (inputs, labels to preserve, dataset
+indices) for each training batch; the callback selects by TCS, runs the solver, and hands
+back an :class:`AugmentedBatch` that the module's loss consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lpa3_lightning.attack import AttackStats
+
+__all__ = ["AugmentedBatch", "LPA3Request"]
+
+
+@dataclass
+class LPA3Request:
+    """What a module offers for augmentation on one training batch.
+
+    Attributes:
+        inputs: ``(B, ...)`` inputs in the space the model takes.
+        targets: ``(B,)`` labels to preserve (true labels or pseudo-labels).
+        indices: ``(B,)`` dataset indices (the key of the TCS memory).
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    indices: Tensor
+
+
+@dataclass
+class AugmentedBatch:
+    """The hard positives generated for one training batch.
+
+    Attributes:
+        inputs: ``(M, ...)`` the augmented inputs ``x'`` (detached).
+        targets: ``(M,)`` their labels.
+        indices: ``(M,)`` their dataset indices.
+        mask: ``(B,)`` which samples of the request were augmented (``M = mask.sum()``).
+        stats: the solver's per-sample diagnostics, when it ran.
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    indices: Tensor
+    mask: Tensor
+    stats: AttackStats | None = None
+
+    def __len__(self) -> int:
+        return int(self.inputs.shape[0])

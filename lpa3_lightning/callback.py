@@ -1,0 +1,295 @@
+"""LPA3Callback: label-preserving adversarial auto-augmentation inside any Lightning Trainer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from lpa3_lightning.attack import InputRange, lpa3_attack
+from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.dual_bn import has_dual_bn
+from lpa3_lightning.features import resolve_layers
+from lpa3_lightning.mixins.base import REQUIRED_METHODS
+from lpa3_lightning.selection import check_ratio
+from lpa3_lightning.tcs import TimeConsistency
+
+__all__ = ["LPA3Callback"]
+
+_STATE_VERSION = 1
+
+
+class LPA3Callback(Callback):
+    r"""Generate LP-A3 hard positives for the least time-consistent samples of each batch.
+
+    On every training batch the callback asks the module for its inputs, labels and dataset
+    indices (:class:`~lpa3_lightning.mixins.LPA3ModuleMixin`), selects the samples whose
+    time-consistency score is below the threshold of the last pass, runs
+    :func:`~lpa3_lightning.attack.lpa3_attack` on them and hands the result to the module
+    before ``training_step``. After the step it updates the TCS memory from the clean
+    logits the module recorded; after each epoch it refreshes the threshold.
+
+    Logged (through the Trainer's logger, per step and per epoch): ``lpa3/selected_fraction``,
+    ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (fraction of ``x'`` with
+    ``log p(y|x') >= log p(y|x) - sigma``), ``lpa3/projected`` (fraction pulled back by the
+    bisection), ``lpa3/solver_seconds``; per epoch ``lpa3/threshold``.
+
+    Args:
+        ratio: fraction of samples given LP-A3 (tau), in (0, 1].
+        sigma: label-preserving margin on ``log p`` (0.02 for MedMNIST in the paper).
+        steps: solver iterations (paper: 5).
+        lam: Lagrange multiplier scale (authors: 1).
+        warmup_epochs: epochs at the start without augmentation (TCS still updates).
+        layers: feature layers (names or glob patterns of ``module.lpa3_model()``); None
+            for the documented default.
+        input_range: valid input bounds for the solver's clamp: ``"auto"`` (default) takes
+            ``trainer.datamodule.normalization`` (``{"mean", "std"}`` of [0, 1] data) when
+            the data module has one, else no clamping; ``None`` never clamps; or give
+            ``(low, high)`` / ``{"mean": ..., "std": ...}``.
+        project: keep the label-preserving constraint on every sample (default) or run the
+            authors' unconstrained loop (False).
+        attack_bn: ``"eval"`` (default): attack the model with BN on running statistics,
+            nothing moves. ``"twin"``: the authors' choice, twin BN with batch statistics
+            (needs ``convert_dual_bn``). ``"auto"``: twin when the model has twins.
+        temperature: softmax temperature for TCS and ``log p``.
+        num_samples: training-set size for the TCS memory; None infers it from the train
+            dataloader's dataset.
+        tcs_divergence: ``"code"`` (authors' code) or ``"paper"``.
+        tcs_initial_memory: ``"uniform"`` (a distribution; default) or ``"authors"`` (1.01).
+        seed: seed of the solver's initial noise (reproducible runs); None draws from torch's
+            global generator.
+
+    Raises:
+        ValueError: on an argument out of range, naming it and the fix.
+
+    Example::
+
+        trainer = Trainer(callbacks=[LPA3Callback(ratio=0.5, sigma=0.02)])
+        trainer.fit(LPA3Classifier(num_classes=2), datamodule=MedMNISTDataModule("breastmnist"))
+    """
+
+    def __init__(
+        self,
+        ratio: float = 0.5,
+        sigma: float = 0.02,
+        steps: int = 5,
+        lam: float = 1.0,
+        warmup_epochs: int = 0,
+        layers: str | Sequence[str] | None = None,
+        input_range: InputRange | Literal["auto"] = "auto",
+        project: bool = True,
+        attack_bn: Literal["eval", "twin", "auto"] = "eval",
+        temperature: float = 1.0,
+        num_samples: int | None = None,
+        tcs_divergence: Literal["code", "paper"] = "code",
+        tcs_initial_memory: Literal["uniform", "authors"] = "uniform",
+        seed: int | None = None,
+    ) -> None:
+        self.ratio = check_ratio(ratio)
+        if not (isinstance(sigma, (int, float)) and 0 < sigma < float("inf")):
+            raise ValueError(f"`sigma` must be a positive finite float, got {sigma!r}. Fix: use 0.002 to 0.02 (paper).")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"`steps` must be an int >= 1, got {steps!r}. Fix: use 5 (the paper's T).")
+        if not (isinstance(lam, (int, float)) and lam >= 0):
+            raise ValueError(f"`lam` must be >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
+        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
+            raise ValueError(f"`warmup_epochs` must be an int >= 0, got {warmup_epochs!r}.")
+        if attack_bn not in ("eval", "twin", "auto"):
+            raise ValueError(f"`attack_bn` must be 'eval', 'twin' or 'auto', got {attack_bn!r}.")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
+            raise ValueError(f"`num_samples` must be None or a positive int, got {num_samples!r}.")
+        if tcs_divergence not in ("code", "paper"):
+            raise ValueError(f"`tcs_divergence` must be 'code' or 'paper', got {tcs_divergence!r}.")
+        if tcs_initial_memory not in ("uniform", "authors"):
+            raise ValueError(f"`tcs_initial_memory` must be 'uniform' or 'authors', got {tcs_initial_memory!r}.")
+        if input_range not in ("auto", None) and not isinstance(input_range, (Mapping, Sequence)):
+            raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean', 'std'}}, got {input_range!r}.")
+        self.sigma = float(sigma)
+        self.steps = steps
+        self.lam = float(lam)
+        self.warmup_epochs = warmup_epochs
+        self.layers = layers
+        self.input_range = input_range
+        self.project = project
+        self.attack_bn = attack_bn
+        self.temperature = float(temperature)
+        self.num_samples = num_samples
+        self.tcs_divergence = tcs_divergence
+        self.tcs_initial_memory = tcs_initial_memory
+        self.seed = seed
+        self.tcs: TimeConsistency | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._generator: torch.Generator | None = None
+        self._generator_state: Tensor | None = None
+        self._resolved_range: InputRange = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(ratio=self.ratio, sigma=self.sigma)
+
+    # ------------------------------------------------------------------ setup and validation
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        missing = [name for name in REQUIRED_METHODS if not callable(getattr(pl_module, name, None))]
+        if missing:
+            raise TypeError(
+                f"{type(pl_module).__name__} does not implement the LP-A3 protocol (missing {missing}). Fix: inherit "
+                "`lpa3_lightning.mixins.LPA3ModuleMixin` (or `SupervisedLPA3Mixin`) and implement `lpa3_request`; "
+                "see the README section 'Use it in your own LightningModule'."
+            )
+        model = pl_module.lpa3_model()
+        resolve_layers(model, self.layers)  # fails early, listing the available layer names
+        if self.attack_bn == "twin" and not has_dual_bn(model):
+            raise ValueError("`attack_bn='twin'` needs twin BatchNorms in the model. Fix: call "
+                             "`convert_dual_bn(model)` in the module, or use attack_bn='eval'.")
+        self._resolved_range = self._resolve_range(trainer)
+
+    def _resolve_range(self, trainer: pl.Trainer) -> InputRange:
+        if self.input_range != "auto":
+            return self.input_range
+        datamodule = getattr(trainer, "datamodule", None)
+        normalization = getattr(datamodule, "normalization", None)
+        return dict(normalization) if isinstance(normalization, Mapping) else None
+
+    def _infer_num_samples(self, trainer: pl.Trainer) -> int:
+        if self.num_samples is not None:
+            return self.num_samples
+        loader = trainer.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        try:
+            return len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(
+                "LPA3Callback could not infer the training-set size from the train dataloader "
+                f"({type(loader).__name__}). Fix: pass `num_samples=` (the number of dataset indices)."
+            ) from None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        num_classes = getattr(pl_module, "lpa3_num_classes", None)
+        if not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(
+                f"{type(pl_module).__name__}.lpa3_num_classes must be the number of classes (int >= 2), got "
+                f"{num_classes!r}. Fix: set `self.lpa3_num_classes = num_classes` in __init__."
+            )
+        if self.tcs is None:
+            self.tcs = TimeConsistency(
+                self._infer_num_samples(trainer), num_classes, self.ratio,
+                divergence=self.tcs_divergence, initial_memory=self.tcs_initial_memory,
+            )
+        if self._pending_state is not None:
+            self.tcs.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    # ------------------------------------------------------------------ per batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        request = pl_module.lpa3_request(batch)
+        self._check_request(request)
+        pl_module.lpa3_set_augmented(None)
+        if trainer.current_epoch < self.warmup_epochs:
+            return
+        mask = self._memory().select(request.indices).to(request.inputs.device)
+        augmented = self._augment(pl_module, request, mask)
+        pl_module.lpa3_set_augmented(augmented)
+        self._log_batch(pl_module, request, augmented)
+
+    def _check_request(self, request: LPA3Request) -> None:
+        if not isinstance(request, LPA3Request):
+            raise TypeError(f"`lpa3_request` must return an LPA3Request, got {type(request).__name__}.")
+        n = request.inputs.shape[0]
+        if request.targets.shape != (n,) or request.indices.shape != (n,):
+            raise ValueError(
+                f"LPA3Request needs targets and indices of shape ({n},) for {n} inputs, got "
+                f"{tuple(request.targets.shape)} and {tuple(request.indices.shape)}. Fix: return one label and one "
+                "dataset index per sample."
+            )
+
+    def _augment(self, pl_module: pl.LightningModule, request: LPA3Request, mask: Tensor) -> AugmentedBatch:
+        x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
+        model = pl_module.lpa3_model()
+        bn_mode = self.attack_bn
+        if bn_mode == "auto":
+            bn_mode = "twin" if has_dual_bn(model) else "eval"
+        start = time.perf_counter()
+        x_adv, stats = lpa3_attack(
+            model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
+            input_range=self._resolved_range, temperature=self.temperature, generator=self._generator_for(x),
+            project=self.project, bn_mode=bn_mode, return_stats=True,
+        )
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self._last_solver_seconds = time.perf_counter() - start
+        return AugmentedBatch(inputs=x_adv, targets=y, indices=idx, mask=mask, stats=stats)
+
+    def _generator_for(self, x: Tensor) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if self._generator is None or self._generator.device != x.device:
+            self._generator = torch.Generator(device=x.device)
+            self._generator.manual_seed(self.seed)
+            if self._generator_state is not None:
+                self._generator.set_state(self._generator_state)
+                self._generator_state = None
+        return self._generator
+
+    def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch) -> None:
+        n = request.inputs.shape[0]
+        values = {"lpa3/selected_fraction": len(augmented) / max(n, 1)}
+        if len(augmented) and augmented.stats is not None:
+            stats = augmented.stats
+            values.update({
+                "lpa3/perceptual_distance": float(stats.perceptual_distance.mean()),
+                "lpa3/label_preserved": float(stats.preserved.float().mean()),
+                "lpa3/projected": float(stats.projected.float().mean()),
+                "lpa3/solver_seconds": self._last_solver_seconds,
+            })
+        pl_module.log_dict(values, on_step=True, on_epoch=True, batch_size=n)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        predictions = pl_module.lpa3_pop_predictions()
+        pl_module.lpa3_set_augmented(None)
+        if predictions is None:
+            raise RuntimeError(
+                f"{type(pl_module).__name__}.training_step did not record its predictions. Fix: call "
+                "`self.lpa3_record_predictions(indices, logits)` with the clean logits (the TCS memory needs them)."
+            )
+        indices, logits, targets = predictions
+        probs = torch.softmax(logits.float() / self.temperature, dim=1)
+        self._memory().update(indices, probs, targets)
+
+    def _memory(self) -> TimeConsistency:
+        if self.tcs is None:
+            raise RuntimeError("LPA3Callback's TCS memory is not allocated: on_train_start did not run for it.")
+        return self.tcs
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.tcs is None:
+            return
+        self.tcs.refresh_threshold()
+        if self.tcs.has_threshold:
+            pl_module.log("lpa3/threshold", float(self.tcs.threshold))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        generator_state = self._generator.get_state() if self._generator is not None else self._generator_state
+        tcs_state = self.tcs.state_dict() if self.tcs is not None else self._pending_state
+        return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        tcs_state = state_dict.get("tcs")
+        if tcs_state is not None:
+            if self.tcs is not None:
+                self.tcs.load_state_dict(tcs_state)
+            else:
+                self._pending_state = tcs_state  # applied once the data set size is known
+        self._generator_state = state_dict.get("generator_state")
+        self._generator = None

@@ -1,0 +1,55 @@
+"""The ``lpa3`` command: LightningCLI over any LightningModule / LightningDataModule.
+
+``lpa3 fit --config configs/medmnist/breastmnist_lpa3.yaml`` trains; with
+``--test_after_fit true`` it then tests the best checkpoint (or the last weights when no
+checkpoint callback monitors a metric) and prints the test metrics and where results went.
+``python -m lpa3_lightning`` is the same command.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+
+__all__ = ["LPA3CLI", "main"]
+
+
+class LPA3CLI(LightningCLI):
+    """LightningCLI with a ``--test_after_fit`` switch for one-command train-and-test runs."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--test_after_fit", type=bool, default=False,
+                            help="After fit, test the best checkpoint and print the test metrics.")
+
+    def after_fit(self) -> None:
+        if not self.config[self.subcommand].get("test_after_fit"):
+            return
+        trainer = self.trainer
+        checkpoint = getattr(trainer, "checkpoint_callback", None)
+        best = getattr(checkpoint, "best_model_path", "") if checkpoint is not None else ""
+        results = trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best or None)
+        if trainer.is_global_zero:
+            print("\n=== LP-A3 run finished ===")
+            for key, value in sorted((results[0] if results else {}).items()):
+                print(f"{key}: {value:.4f}")
+            print(f"tested checkpoint: {best or '(final weights)'}")
+            print(f"logs and checkpoints: {trainer.log_dir}")
+
+
+def main(args: Any = None) -> None:
+    """Entry point of the ``lpa3`` console script."""
+    LPA3CLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
