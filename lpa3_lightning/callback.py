@@ -125,7 +125,6 @@ class LPA3Callback(Callback):
         self.tcs_initial_memory = tcs_initial_memory
         self.seed = seed
         self.tcs: TimeConsistency | None = None
-        self._pending_state: dict[str, Any] | None = None
         self._generator: torch.Generator | None = None
         self._generator_state: Tensor | None = None
         self._resolved_range: InputRange = None
@@ -179,14 +178,12 @@ class LPA3Callback(Callback):
                 f"{type(pl_module).__name__}.lpa3_num_classes must be the number of classes (int >= 2), got "
                 f"{num_classes!r}. Fix: set `self.lpa3_num_classes = num_classes` in __init__."
             )
-        if self.tcs is None:
-            self.tcs = TimeConsistency(
-                self._infer_num_samples(trainer), num_classes, self.ratio,
-                divergence=self.tcs_divergence, initial_memory=self.tcs_initial_memory,
-            )
-        if self._pending_state is not None:
-            self.tcs.load_state_dict(self._pending_state)
-            self._pending_state = None
+        num_samples = self._infer_num_samples(trainer)
+        fresh = TimeConsistency(num_samples, num_classes, self.ratio, divergence=self.tcs_divergence,
+                                initial_memory=self.tcs_initial_memory)
+        if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
+            fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
+        self.tcs = fresh
 
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -281,15 +278,18 @@ class LPA3Callback(Callback):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         generator_state = self._generator.get_state() if self._generator is not None else self._generator_state
-        tcs_state = self.tcs.state_dict() if self.tcs is not None else self._pending_state
+        tcs_state = self.tcs.state_dict() if self.tcs is not None else None
         return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         tcs_state = state_dict.get("tcs")
         if tcs_state is not None:
-            if self.tcs is not None:
-                self.tcs.load_state_dict(tcs_state)
-            else:
-                self._pending_state = tcs_state  # applied once the data set size is known
+            # Rebuilt from the checkpoint alone, so the state is there before training starts;
+            # on_train_start checks it against the current data set and module.
+            self.tcs = TimeConsistency(
+                int(tcs_state["num_samples"]), int(tcs_state["num_classes"]), self.ratio,
+                divergence=self.tcs_divergence, initial_memory=self.tcs_initial_memory,
+            )
+            self.tcs.load_state_dict(tcs_state)
         self._generator_state = state_dict.get("generator_state")
         self._generator = None

@@ -69,7 +69,8 @@ class _DualBatchNormMixin:
         if not any(k.startswith(twin_prefix) for k in state_dict):
             for name in list(self.twin.state_dict()):
                 if prefix + name in state_dict:
-                    state_dict[twin_prefix + name] = state_dict[prefix + name]
+                    # a copy: with load_state_dict(assign=True) the twin must not share storage
+                    state_dict[twin_prefix + name] = state_dict[prefix + name].clone()
         super()._load_from_state_dict(  # type: ignore[misc]
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -135,7 +136,7 @@ def convert_dual_bn(model: nn.Module, twin_momentum: float = TWIN_MOMENTUM) -> n
     for name, child in model.named_children():
         if type(child) in _DUAL_OF:
             setattr(model, name, _make_dual(child, twin_momentum))
-        else:
+        elif not isinstance(child, _DUAL_TYPES):  # an already converted layer's twin stays plain
             convert_dual_bn(child, twin_momentum)
     return model
 

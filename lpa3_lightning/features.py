@@ -84,7 +84,10 @@ def default_feature_layers(model: nn.Module) -> list[str]:
 
 
 def resolve_layers(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
-    """Resolve exact names or ``fnmatch`` patterns (``"layer*"``, ``"features.?"``) to names.
+    """Resolve exact names or ``fnmatch`` patterns (``"layer[1-4]"``, ``"features.?"``) to names.
+
+    Patterns follow :mod:`fnmatch`: ``*`` also matches dots, so ``"layer*"`` selects every
+    submodule of the stages too; use ``"layer?"`` or ``"layer[1-4]"`` for the stages alone.
 
     Args:
         model: the network.

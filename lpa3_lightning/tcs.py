@@ -144,7 +144,8 @@ class TimeConsistency:
         return self.memory.device
 
     def _check_indices(self, indices: Tensor) -> Tensor:
-        if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point:
+        if (not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point
+                or indices.dtype == torch.bool):
             raise ValueError(
                 "`indices` must be a 1-D integer tensor of dataset indices. Fix: make the dataset return "
                 "its index with each item (e.g. wrap it in `lpa3_lightning.data.IndexedDataset`)."

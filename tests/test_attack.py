@@ -1,0 +1,273 @@
+"""lpa3_attack: shapes, the label-preserving promise, invariants, refusals, any modality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lpa3_lightning.attack import lpa3_attack, resolve_input_range
+from lpa3_lightning.dual_bn import convert_dual_bn
+from lpa3_lightning.features import PerceptualFeatures
+from tests.helpers import confident_batch, confident_cnn, small_cnn, snapshot
+
+
+def _batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_output_shape_dtype_device_and_detached():
+    torch.manual_seed(0)
+    net = small_cnn()
+    x, y = _batch()
+    x.requires_grad_(True)
+    x_adv = lpa3_attack(net, x, y)
+    assert x_adv.shape == x.shape and x_adv.dtype == x.dtype and x_adv.device == x.device
+    assert not x_adv.requires_grad and x_adv.grad_fn is None
+    assert not torch.equal(x_adv, x.detach())
+
+
+def test_float64_inputs_keep_their_dtype():
+    torch.manual_seed(0)
+    net = small_cnn().double()
+    x, y = _batch()
+    assert lpa3_attack(net, x.double(), y, steps=2).dtype == torch.float64
+
+
+def test_generator_makes_it_reproducible():
+    torch.manual_seed(0)
+    net = small_cnn()
+    x, y = _batch()
+    a = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(3))
+    b = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(3))
+    c = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _logp(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(net(x), dim=1).gather(1, y[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("sigma", [0.002, 0.02])
+def test_default_keeps_constraint_on_every_sample_of_a_confident_model(sigma):
+    net = confident_cnn()
+    x, y = confident_batch()
+    x_adv, stats = lpa3_attack(net, x, y, sigma=sigma, return_stats=True, generator=torch.Generator().manual_seed(0))
+    drop = _logp(net, x, y) - _logp(net, x_adv, y)
+    assert bool((drop <= sigma + 1e-6).all()), drop.max()
+    assert bool(stats.preserved.all())
+    torch.testing.assert_close(stats.logp_drop, drop, atol=1e-5, rtol=0)
+    assert float(stats.l2.mean()) > 0
+
+
+def test_authors_loop_breaks_the_constraint_where_the_default_keeps_it():
+    """The defect named in METHOD.md: with no input box the step explodes on a confident model."""
+    net = confident_cnn()
+    x, y = confident_batch()
+    gen = torch.Generator().manual_seed(0)
+    x_raw, raw = lpa3_attack(net, x, y, project=False, return_stats=True, generator=gen)
+    gen = torch.Generator().manual_seed(0)
+    x_proj, proj = lpa3_attack(net, x, y, project=True, return_stats=True, generator=gen)
+    assert float(raw.preserved.float().mean()) < 1.0
+    assert bool(proj.preserved.all())
+    # the bisection only touches violating samples: the others are the authors' x' exactly
+    keep = raw.preserved
+    torch.testing.assert_close(x_proj[keep], x_raw[keep])
+    assert bool((proj.projected == ~raw.preserved).all())
+
+
+def test_hard_positive_is_farther_in_feature_space_than_random_noise_of_same_size():
+    torch.manual_seed(0)
+    net = small_cnn()
+    net.eval()
+    x, y = _batch(16)
+    x_adv = lpa3_attack(net, x, y, sigma=0.02, input_range=(-3.0, 3.0), generator=torch.Generator().manual_seed(0))
+    delta = x_adv - x
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    noise = noise / noise.flatten(1).norm(dim=1).view(-1, 1, 1, 1) * delta.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+    feats = PerceptualFeatures(net)
+    with torch.no_grad():
+        _, phi = feats(x)
+        _, phi_adv = feats(x_adv)
+        _, phi_rand = feats(x + noise)
+    d_adv = (phi_adv - phi).norm(dim=1)
+    d_rand = (phi_rand - phi).norm(dim=1)
+    assert bool((d_adv > d_rand).all())
+    assert float(d_adv.mean()) > 1.2 * float(d_rand.mean())
+
+
+def test_input_range_bounds_are_respected_per_channel():
+    torch.manual_seed(0)
+    net = small_cnn(in_channels=3)
+    x = torch.rand(4, 3, 28, 28)
+    y = torch.tensor([0, 1, 2, 0])
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    xn = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    x_adv = lpa3_attack(net, xn, y, sigma=1.0, input_range={"mean": mean, "std": std})
+    back = x_adv * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    assert float(back.min()) >= -1e-5 and float(back.max()) <= 1 + 1e-5
+    x_box = lpa3_attack(net, x, y, sigma=1.0, input_range=(0.0, 1.0))
+    assert float(x_box.min()) >= 0.0 and float(x_box.max()) <= 1.0
+
+
+def test_no_input_range_means_no_clamping():
+    torch.manual_seed(0)
+    net = small_cnn()
+    x = torch.zeros(4, 1, 28, 28)
+    y = torch.tensor([0, 1, 2, 0])
+    x_adv = lpa3_attack(net, x, y, sigma=1.0)
+    assert float(x_adv.min()) < 0.0 < float(x_adv.max())
+
+
+def test_resolve_input_range_refusals():
+    x = torch.zeros(2, 3, 4, 4)
+    with pytest.raises(ValueError, match="channels"):
+        resolve_input_range(([0, 0], [1, 1]), x)
+    with pytest.raises(ValueError, match="low < high"):
+        resolve_input_range((1.0, 0.0), x)
+    with pytest.raises(ValueError, match="'mean' and 'std'"):
+        resolve_input_range({"mean": 0.5}, x)
+    with pytest.raises(ValueError, match="input_range"):
+        resolve_input_range("0..1", x)
+
+
+def test_works_on_a_1d_signal_model_and_a_tabular_mlp():
+    """The method is domain-agnostic: no image assumption, no clamping by default."""
+    torch.manual_seed(0)
+    signal_net = nn.Sequential(nn.Conv1d(2, 8, 5, padding=2), nn.BatchNorm1d(8), nn.ReLU(),
+                               nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(8, 4))
+    x_sig = torch.randn(6, 2, 100)
+    y_sig = torch.randint(0, 4, (6,))
+    x_adv, stats = lpa3_attack(signal_net, x_sig, y_sig, return_stats=True)
+    assert x_adv.shape == x_sig.shape and bool(stats.preserved.all())
+    assert float(stats.perceptual_distance.mean()) > 0
+
+    tab_net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3))
+    x_tab = torch.randn(5, 10)
+    y_tab = torch.randint(0, 3, (5,))
+    x_adv, stats = lpa3_attack(tab_net, x_tab, y_tab, return_stats=True)
+    assert x_adv.shape == x_tab.shape and bool(stats.preserved.all())
+    assert float((x_adv - x_tab).abs().max()) > 0
+
+
+@pytest.mark.parametrize("train_mode", [True, False])
+@pytest.mark.parametrize("twin", [False, True])
+def test_invariants_parameters_grads_bn_stats_and_modes(train_mode, twin):
+    torch.manual_seed(0)
+    net = small_cnn()
+    if twin:
+        convert_dual_bn(net)
+    # give some parameters an existing .grad that must survive untouched
+    net[0].weight.grad = torch.full_like(net[0].weight, 0.5)
+    net.train(train_mode)
+    net[9].eval()  # a mixed-mode model: dropout already in eval
+    modes = {name: m.training for name, m in net.named_modules()}
+    before = snapshot(net)
+    x, y = _batch()
+    lpa3_attack(net, x, y, bn_mode="twin" if twin else "eval")
+    after = snapshot(net)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    assert {name: m.training for name, m in net.named_modules()} == modes
+    assert torch.equal(net[0].weight.grad, torch.full_like(net[0].weight, 0.5))
+    assert all(p.grad is None for name, p in net.named_parameters() if name != "0.weight")
+
+
+def test_invariants_hold_when_the_call_raises():
+    torch.manual_seed(0)
+    net = small_cnn()
+    net.train()
+    modes = {name: m.training for name, m in net.named_modules()}
+    before = snapshot(net)
+    x, _ = _batch()
+    bad_y = torch.full((x.shape[0],), 7)  # out of range for 3 classes: raises after the model ran
+    with pytest.raises(ValueError, match="class indices"):
+        lpa3_attack(net, x, bad_y)
+    assert {name: m.training for name, m in net.named_modules()} == modes
+    after = snapshot(net)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(not m._forward_hooks for m in net.modules())
+
+
+def test_twin_mode_with_author_stats_moves_only_the_twin_statistics():
+    torch.manual_seed(0)
+    net = convert_dual_bn(small_cnn())
+    net.train()
+    main_before = net[1].running_mean.clone()
+    twin_before = net[1].twin.running_mean.clone()
+    x, y = _batch()
+    lpa3_attack(net, x, y, bn_mode="twin", update_twin_stats=True)
+    assert torch.equal(net[1].running_mean, main_before)
+    assert not torch.equal(net[1].twin.running_mean, twin_before)
+
+
+def test_gradients_are_taken_with_respect_to_the_input_only():
+    torch.manual_seed(0)
+    net = small_cnn()
+    for p in net.parameters():
+        p.register_hook(lambda g: pytest.fail("a parameter gradient was computed"))
+    x, y = _batch(4)
+    lpa3_attack(net, x, y)
+
+
+def test_empty_batch_returns_empty():
+    net = small_cnn()
+    x_adv, stats = lpa3_attack(net, torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long), return_stats=True)
+    assert x_adv.shape == (0, 1, 28, 28) and stats.preserved.numel() == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sigma": 0.0}, "sigma"),
+        ({"sigma": float("nan")}, "sigma"),
+        ({"steps": 0}, "steps"),
+        ({"steps": 2.5}, "steps"),
+        ({"lam": -1.0}, "lam"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"bn_mode": "train"}, "bn_mode"),
+        ({"bn_mode": "twin"}, "convert_dual_bn"),
+        ({"bisection_steps": 0}, "bisection_steps"),
+        ({"layers": ["nope*"]}, "matches no module"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_fix(kwargs, match):
+    net = small_cnn()
+    x, y = _batch(2)
+    with pytest.raises(ValueError, match=match):
+        lpa3_attack(net, x, y, **kwargs)
+
+
+def test_bad_inputs_are_refused():
+    net = small_cnn()
+    x, y = _batch(2)
+    with pytest.raises(ValueError, match="`y` must be an integer tensor of shape"):
+        lpa3_attack(net, x, y.float())
+    with pytest.raises(ValueError, match="`y` must be an integer tensor of shape"):
+        lpa3_attack(net, x, y[:1])
+    with pytest.raises(ValueError, match="floating tensor"):
+        lpa3_attack(net, x.long(), y)
+    x_nan = x.clone()
+    x_nan[1, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or Inf in samples \[1\]"):
+        lpa3_attack(net, x_nan, y)
+    with pytest.raises(TypeError, match="nn.Module"):
+        lpa3_attack(lambda v: v, x, y)
+
+
+def test_dict_output_needs_logits_fn():
+    class DictNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = small_cnn()
+
+        def forward(self, x):
+            return {"logits": self.body(x)}
+
+    net = DictNet()
+    x, y = _batch(2)
+    with pytest.raises(TypeError, match="logits_fn"):
+        lpa3_attack(net, x, y)
+    assert lpa3_attack(net, x, y, logits_fn=lambda out: out["logits"]).shape == x.shape

@@ -1,0 +1,253 @@
+"""LPA3Callback inside a real Trainer: data path, logging, checkpointing, refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lpa3_lightning import LPA3Callback
+from lpa3_lightning.dual_bn import convert_dual_bn
+from lpa3_lightning.mixins import SupervisedLPA3Mixin
+from tests.helpers import indexed_images, small_cnn, snapshot
+
+
+class TinyClassifier(SupervisedLPA3Mixin, pl.LightningModule):
+    """The supervised mixin on a small CNN; remembers what reached training_step."""
+
+    def __init__(self, twin_bn: bool = True, num_classes: int = 3) -> None:
+        super().__init__()
+        self.model = small_cnn(num_classes=num_classes)
+        if twin_bn:
+            convert_dual_bn(self.model)
+        self.lpa3_num_classes = num_classes
+        self.lpa3_twin_bn = twin_bn
+        self.seen_augmented: list[int] = []
+
+    def lpa3_model(self) -> nn.Module:
+        return self.model
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _, parts = self.lpa3_supervised_loss(batch)
+        self.seen_augmented.append(int(parts["num_augmented"]))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _trainer(tmp_path, callbacks, max_epochs: int = 2, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        default_root_dir=tmp_path, max_epochs=max_epochs, accelerator="cpu", devices=1, callbacks=callbacks,
+        logger=pl.loggers.CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1, **kwargs,
+    )
+
+
+def _loader(n: int = 48, batch_size: int = 16, shuffle: bool = True) -> DataLoader:
+    return DataLoader(indexed_images(n), batch_size=batch_size, shuffle=shuffle)
+
+
+def test_fit_runs_the_whole_data_path(tmp_path):
+    pl.seed_everything(0)
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=3, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=3)
+    trainer.fit(module, _loader())
+
+    tcs = callback.tcs
+    assert tcs is not None and tcs.num_samples == 48 and tcs.num_classes == 3
+    assert bool(tcs.seen.all())
+    assert tcs.has_threshold
+    # epoch 0: no threshold yet, every sample augmented; later epochs about half
+    per_epoch = [sum(module.seen_augmented[i * 3:(i + 1) * 3]) for i in range(3)]
+    assert per_epoch[0] == 48
+    assert 0 < per_epoch[2] < 48
+    metrics = trainer.callback_metrics
+    for key in ("lpa3/selected_fraction_epoch", "lpa3/perceptual_distance_epoch", "lpa3/label_preserved_epoch",
+                "lpa3/solver_seconds_epoch", "lpa3/projected_epoch", "lpa3/threshold"):
+        assert key in metrics, key
+    assert float(metrics["lpa3/label_preserved_epoch"]) == 1.0
+    assert float(metrics["lpa3/perceptual_distance_epoch"]) > 0
+    # the memory holds the model's last predictions: rows are distributions
+    torch.testing.assert_close(tcs.memory.sum(1), torch.ones(48))
+
+
+def test_selected_fraction_follows_ratio_after_first_pass(tmp_path):
+    pl.seed_everything(0)
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.25, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(module, _loader(64, 64))
+    # authors' rule: strictly below the value at rank floor((1 - ratio) * N) -> N - rank - 1 samples
+    assert module.seen_augmented[1] == 64 - int(0.75 * 64) - 1
+
+
+def test_warmup_epochs_skip_augmentation_but_update_tcs(tmp_path):
+    pl.seed_everything(0)
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.5, steps=1, warmup_epochs=1)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(module, _loader())
+    assert module.seen_augmented[:3] == [0, 0, 0]
+    assert sum(module.seen_augmented[3:]) > 0
+    assert bool(callback.tcs.seen.all())
+
+
+def test_callback_never_moves_main_bn_statistics_during_the_attack(tmp_path):
+    """The attack itself is invisible: a module whose training_step ignores x' ends bitwise
+    equal to the same run without the callback."""
+
+    class IgnoresAugmentation(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            x, y, idx = batch
+            logits = self.model(x)
+            self.lpa3_record_predictions(idx, logits)
+            self.lpa3_take_augmented()
+            return F.cross_entropy(logits, y)
+
+    def run(with_callback: bool) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0)
+        module = IgnoresAugmentation()
+        callbacks = [LPA3Callback(ratio=1.0, steps=2, seed=0)] if with_callback else []
+        pl.seed_everything(0)
+        _trainer(tmp_path, callbacks, max_epochs=1, deterministic=True).fit(module, _loader(shuffle=False))
+        return snapshot(module.model)
+
+    plain, attacked = run(False), run(True)
+    for key in plain:
+        assert torch.equal(plain[key], attacked[key]), key
+
+
+def test_checkpoint_holds_and_restores_the_tcs_state(tmp_path):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(TinyClassifier(), _loader())
+    ckpt = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"][callback.state_key]
+    torch.testing.assert_close(saved["tcs"]["memory"], callback.tcs.memory)
+
+    resumed = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer2 = _trainer(tmp_path, [resumed], max_epochs=2)  # already done: restores, trains nothing
+    trainer2.fit(TinyClassifier(), _loader(), ckpt_path=ckpt)
+    assert torch.equal(resumed.tcs.memory, callback.tcs.memory)
+    assert torch.equal(resumed.tcs.scores, callback.tcs.scores)
+    assert torch.equal(resumed.tcs.threshold, callback.tcs.threshold)
+
+
+def test_resume_on_a_data_set_of_another_size_is_refused(tmp_path):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=0.5, steps=1)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader(48))
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    trainer2 = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1)], max_epochs=2)
+    with pytest.raises(ValueError, match="same training data"):
+        trainer2.fit(TinyClassifier(), _loader(30), ckpt_path=ckpt)
+
+
+# ---------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0.0}, "ratio"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"sigma": -0.1}, "sigma"),
+        ({"steps": 0}, "steps"),
+        ({"lam": -1}, "lam"),
+        ({"warmup_epochs": -1}, "warmup_epochs"),
+        ({"attack_bn": "train"}, "attack_bn"),
+        ({"temperature": 0}, "temperature"),
+        ({"num_samples": 0}, "num_samples"),
+        ({"tcs_divergence": "js"}, "tcs_divergence"),
+        ({"tcs_initial_memory": "zeros"}, "tcs_initial_memory"),
+        ({"input_range": 3}, "input_range"),
+    ],
+)
+def test_constructor_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LPA3Callback(**kwargs)
+
+
+class NoProtocol(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_module_without_the_protocol_is_refused_at_setup(tmp_path):
+    trainer = _trainer(tmp_path, [LPA3Callback()], max_epochs=1)
+    data = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+    with pytest.raises(TypeError, match="LPA3ModuleMixin"):
+        trainer.fit(NoProtocol(), data)
+
+
+def test_batch_without_indices_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    data = DataLoader(TensorDataset(torch.randn(8, 1, 28, 28), torch.randint(0, 3, (8,))), batch_size=4)
+    with pytest.raises(ValueError, match="IndexedDataset"):
+        trainer.fit(TinyClassifier(), data)
+
+
+def test_unknown_feature_layer_is_refused_at_setup(tmp_path):
+    trainer = _trainer(tmp_path, [LPA3Callback(layers=["layer9"])], max_epochs=1)
+    with pytest.raises(ValueError, match="matches no module"):
+        trainer.fit(TinyClassifier(), _loader())
+
+
+def test_twin_attack_without_twins_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, [LPA3Callback(attack_bn="twin")], max_epochs=1)
+    with pytest.raises(ValueError, match="convert_dual_bn"):
+        trainer.fit(TinyClassifier(twin_bn=False), _loader())
+
+
+def test_module_that_does_not_record_predictions_is_told_how(tmp_path):
+    class Forgetful(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            x, y, _ = batch
+            return F.cross_entropy(self.model(x), y)
+
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    with pytest.raises(RuntimeError, match="lpa3_record_predictions"):
+        trainer.fit(Forgetful(), _loader())
+
+
+def test_module_without_num_classes_is_told_how(tmp_path):
+    module = TinyClassifier()
+    module.lpa3_num_classes = None
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    with pytest.raises(ValueError, match="lpa3_num_classes"):
+        trainer.fit(module, _loader())
+
+
+def test_indices_out_of_range_are_refused(tmp_path):
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, num_samples=10)], max_epochs=1)
+    with pytest.raises(ValueError, match="out of range"):
+        trainer.fit(TinyClassifier(), _loader())
+
+
+def test_input_range_auto_uses_the_datamodule_normalization(tmp_path):
+    class DM(pl.LightningDataModule):
+        normalization = {"mean": [0.5], "std": [0.5]}
+
+        def train_dataloader(self):
+            return _loader()
+
+    callback = LPA3Callback(steps=1)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), datamodule=DM())
+    assert callback._resolved_range == {"mean": [0.5], "std": [0.5]}

@@ -1,0 +1,68 @@
+"""The `lpa3` command (LightningCLI) and the shipped configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import LightningDataModule, LightningModule
+
+from lpa3_lightning import LPA3Callback, LPA3Classifier
+from lpa3_lightning.cli import LPA3CLI, main
+from lpa3_lightning.data import MedMNISTDataModule
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "medmnist"
+
+
+def _instantiate(config: Path, *overrides: str) -> LPA3CLI:
+    return LPA3CLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                   run=False, args=["--config", str(config), *overrides])
+
+
+@pytest.mark.parametrize(
+    ("name", "ratio", "randaugment"),
+    [("baseline", None, False), ("randaugment", None, True), ("lpa3_tau0.2", 0.2, False),
+     ("lpa3_tau0.5", 0.5, False), ("lpa3_tau0.9", 0.9, False), ("demo_breastmnist_lpa3", 0.3, False)],
+)
+def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path):
+    cli = _instantiate(CONFIGS / f"{name}.yaml", f"--trainer.default_root_dir={tmp_path}",
+                       f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert isinstance(cli.model, LPA3Classifier) and isinstance(cli.datamodule, MedMNISTDataModule)
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, LPA3Callback)]
+    if ratio is None:
+        assert not callbacks
+    else:
+        assert len(callbacks) == 1 and callbacks[0].ratio == ratio and callbacks[0].sigma == 0.02
+    assert cli.datamodule.hparams.randaugment is randaugment
+    if not name.startswith("demo"):
+        assert cli.trainer.max_epochs == 100 and list(cli.model.hparams.milestones) == [50, 75]
+
+
+def test_fit_then_test_from_the_command_line(tmp_path, capsys):
+    main([
+        "fit", "--config", str(CONFIGS / "demo_breastmnist_lpa3.yaml"),
+        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+        "--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false",
+        "--data.init_args.batch_size=8", "--model.init_args.milestones=[1]",
+    ])
+    out = capsys.readouterr().out
+    assert "=== LP-A3 run finished ===" in out
+    assert "test/acc:" in out and "test/auc:" in out
+    assert list(tmp_path.rglob("*.ckpt")), "no checkpoint written"
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard log written"
+    assert (tmp_path / "version_0" / "config.yaml").exists() or list(tmp_path.rglob("config.yaml"))
+
+
+def test_python_dash_m_is_the_same_command():
+    done = subprocess.run([sys.executable, "-m", "lpa3_lightning", "fit", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--test_after_fit" in done.stdout and "--config" in done.stdout
+
+
+def test_bad_config_value_is_refused_by_the_parser(tmp_path):
+    with pytest.raises(SystemExit):
+        _instantiate(CONFIGS / "lpa3_tau0.5.yaml", "--trainer.callbacks.init_args.ratio=oops")
