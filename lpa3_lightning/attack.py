@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from lpa3_lightning.dual_bn import has_dual_bn, use_twin_bn
 from lpa3_lightning.features import PerceptualFeatures
 
-__all__ = ["AttackStats", "InputRange", "lpa3_attack", "resolve_input_range"]
+__all__ = ["AttackStats", "InputRange", "check_solver_arguments", "lpa3_attack", "resolve_input_range"]
 
 #: Bounds as ``(low, high)`` (floats or per-channel sequences) or a normalisation
 #: ``{"mean": [...], "std": [...]}`` of inputs that lived in ``[0, 1]`` before it.
@@ -120,6 +120,23 @@ def resolve_input_range(input_range: InputRange, x: Tensor) -> tuple[Tensor, Ten
     return low, high
 
 
+def check_solver_arguments(sigma: float, steps: int, lam: float, temperature: float) -> None:
+    """Refuse solver settings out of range, naming the argument and the fix.
+
+    Raises:
+        ValueError: if ``sigma`` is not positive and finite, ``steps`` not an int >= 1,
+            ``lam`` negative or not finite, or ``temperature`` not positive.
+    """
+    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"`sigma` must be a positive finite float, got {sigma!r}. Fix: use 0.002 to 0.02 (paper).")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}. Fix: use 5 (the paper's T).")
+    if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
+        raise ValueError(f"`lam` must be a finite float >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+
+
 def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps: int, lam: float,
                      temperature: float, bn_mode: str) -> None:
     if not isinstance(model, nn.Module):
@@ -131,14 +148,7 @@ def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps
             f"`y` must be an integer tensor of shape ({x.shape[0]},) (one label per sample), got "
             f"{tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__}."
         )
-    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"`sigma` must be a positive finite float, got {sigma!r}. Fix: use 0.002 to 0.02 (paper).")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}. Fix: use 5 (the paper's T).")
-    if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
-        raise ValueError(f"`lam` must be a finite float >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+    check_solver_arguments(sigma, steps, lam, temperature)
     if bn_mode not in ("eval", "twin"):
         raise ValueError(f"`bn_mode` must be 'eval' or 'twin', got {bn_mode!r}.")
     if bn_mode == "twin" and not has_dual_bn(model):

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lpa3_lightning.attack import InputRange, lpa3_attack
+from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.dual_bn import has_dual_bn
 from lpa3_lightning.features import resolve_layers
@@ -91,18 +91,11 @@ class LPA3Callback(Callback):
         seed: int | None = None,
     ) -> None:
         self.ratio = check_ratio(ratio)
-        if not (isinstance(sigma, (int, float)) and 0 < sigma < float("inf")):
-            raise ValueError(f"`sigma` must be a positive finite float, got {sigma!r}. Fix: use 0.002 to 0.02 (paper).")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"`steps` must be an int >= 1, got {steps!r}. Fix: use 5 (the paper's T).")
-        if not (isinstance(lam, (int, float)) and lam >= 0):
-            raise ValueError(f"`lam` must be >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
+        check_solver_arguments(sigma, steps, lam, temperature)
         if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
             raise ValueError(f"`warmup_epochs` must be an int >= 0, got {warmup_epochs!r}.")
         if attack_bn not in ("eval", "twin", "auto"):
             raise ValueError(f"`attack_bn` must be 'eval', 'twin' or 'auto', got {attack_bn!r}.")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
         if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
             raise ValueError(f"`num_samples` must be None or a positive int, got {num_samples!r}.")
         if tcs_divergence not in ("code", "paper"):
