@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpa3_lightning import LPA3Callback
+from lpa3_lightning import LPA3Callback, convert_dual_bn, use_twin_bn
 from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.data import MedMNISTDataModule
 from lpa3_lightning.mixins import LPA3ModuleMixin
@@ -22,11 +22,11 @@ from lpa3_lightning.mixins import LPA3ModuleMixin
 class MyClassifier(LPA3ModuleMixin, pl.LightningModule):  # 1. inherit the mixin
     def __init__(self, num_classes: int = 2) -> None:
         super().__init__()
-        self.net = nn.Sequential(
+        self.net = convert_dual_bn(nn.Sequential(  # twin BNs keep x' out of the test-time statistics
             nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
-        )
+        ))
         self.lpa3_num_classes = num_classes  # 2. size of the TCS memory
 
     def lpa3_model(self) -> nn.Module:  # 3. the network to attack (its layers give the features)
@@ -43,7 +43,8 @@ class MyClassifier(LPA3ModuleMixin, pl.LightningModule):  # 1. inherit the mixin
         loss = F.cross_entropy(logits, y)
         augmented = self.lpa3_take_augmented()  # 6. the hard positives of this batch, if any
         if augmented is not None and len(augmented):
-            loss = loss + F.cross_entropy(self.net(augmented.inputs), augmented.targets)
+            with use_twin_bn(self.net):
+                loss = loss + F.cross_entropy(self.net(augmented.inputs), augmented.targets)
         return loss
 
     def configure_optimizers(self):

@@ -105,7 +105,7 @@ def resolve_input_range(input_range: InputRange, x: Tensor) -> tuple[Tensor, Ten
             )
         mean, std = as_tensor(input_range["mean"], "mean"), as_tensor(input_range["std"], "std")
         if bool((std <= 0).any()):
-            raise ValueError("`input_range` std must be positive.")
+            raise ValueError("`input_range` std must be positive. Fix: pass the std of the normalisation.")
         lo, hi = input_range.get("pixel_range", (0.0, 1.0))
         low, high = (lo - mean) / std, (hi - mean) / std
     elif isinstance(input_range, Sequence) and len(input_range) == 2:
@@ -134,7 +134,7 @@ def check_solver_arguments(sigma: float, steps: int, lam: float, temperature: fl
     if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
         raise ValueError(f"`lam` must be a finite float >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
     if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        raise ValueError(f"`temperature` must be > 0, got {temperature!r}. Fix: use 1.0 (plain softmax).")
 
 
 def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps: int, lam: float,
@@ -150,7 +150,8 @@ def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps
         )
     check_solver_arguments(sigma, steps, lam, temperature)
     if bn_mode not in ("eval", "twin"):
-        raise ValueError(f"`bn_mode` must be 'eval' or 'twin', got {bn_mode!r}.")
+        raise ValueError(f"`bn_mode` must be 'eval' or 'twin', got {bn_mode!r}. Fix: use 'eval' (or 'twin' with "
+                         "convert_dual_bn).")
     if bn_mode == "twin" and not has_dual_bn(model):
         raise ValueError("`bn_mode='twin'` needs a model with twin BatchNorms. Fix: call `convert_dual_bn(model)` "
                          "or use bn_mode='eval'.")
@@ -159,7 +160,7 @@ def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps
 
 
 @contextlib.contextmanager
-def _attack_mode(model: nn.Module, bn_mode: str, update_twin_stats: bool) -> Iterator[None]:
+def _attack_mode(model: nn.Module, bn_mode: str) -> Iterator[None]:
     """Put ``model`` in the attack's forward mode and restore every module's flag afterwards."""
     flags = [(m, m.training) for m in model.modules()]
     try:
@@ -167,12 +168,10 @@ def _attack_mode(model: nn.Module, bn_mode: str, update_twin_stats: bool) -> Ite
         # sample's output depends on that sample only and the constraint is exact per sample.
         model.eval()
         if bn_mode == "twin":
-            # The authors' mode: twin BNs with batch statistics (the batch couples samples).
-            for m in model.modules():
-                twin = getattr(m, "twin", None)
-                if isinstance(twin, nn.modules.batchnorm._BatchNorm):
-                    twin.train()
-            with use_twin_bn(model, track_running_stats=update_twin_stats):
+            # The twins normalise with the batch statistics of the clean batch (the first
+            # forward of the attack), frozen for the rest of the call: the authors' twin-BN
+            # attack, but with samples that do not influence each other through the statistics.
+            with use_twin_bn(model, track_running_stats=False, freeze_statistics=True):
                 yield
         else:
             yield
@@ -204,7 +203,6 @@ def lpa3_attack(
     project: bool = True,
     bisection_steps: int = 8,
     bn_mode: Literal["eval", "twin"] = "eval",
-    update_twin_stats: bool = False,
     logits_fn: Callable[[Any], Tensor] | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, AttackStats]:
@@ -230,11 +228,11 @@ def lpa3_attack(
         bisection_steps: halvings of the bisection (resolution ``2**-bisection_steps`` of the
             perturbation).
         bn_mode: ``"eval"`` (default): the whole model in eval mode, BN on its running
-            statistics, nothing updated, each sample independent. ``"twin"``: the authors'
-            choice, twin BatchNorms (see :func:`convert_dual_bn`) with batch statistics;
-            the constraint is then checked on the batch as a whole.
-        update_twin_stats: in ``"twin"`` mode, also move the twins' running statistics
-            during the attack, as the authors' code does.
+            statistics, nothing updated. ``"twin"``: as the authors, through the twin
+            BatchNorms (see :func:`convert_dual_bn`) with batch statistics, here those of the
+            clean batch, frozen for the call (the authors recompute them at every forward,
+            which couples the samples and breaks a per-sample guarantee). Either way no
+            running statistic moves and each sample's constraint is checked exactly.
         logits_fn: maps the model's output to logits (dict / tuple / dataclass outputs).
         return_stats: also return :class:`AttackStats`.
 
@@ -254,7 +252,7 @@ def lpa3_attack(
     """
     _check_arguments(model, x, y, sigma, steps, lam, temperature, bn_mode)
     if isinstance(bisection_steps, bool) or not isinstance(bisection_steps, int) or bisection_steps < 1:
-        raise ValueError(f"`bisection_steps` must be an int >= 1, got {bisection_steps!r}.")
+        raise ValueError(f"`bisection_steps` must be an int >= 1, got {bisection_steps!r}. Fix: use 8.")
     y = y.long()
     n = x.shape[0]
     if n == 0:
@@ -271,13 +269,14 @@ def lpa3_attack(
     def clamp(v: Tensor) -> Tensor:
         return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
 
-    with _attack_mode(model, bn_mode, update_twin_stats), torch.enable_grad():
+    with _attack_mode(model, bn_mode), torch.enable_grad():
         with torch.no_grad():
             logits0, phi0 = feats(x)
             if logits0.dim() != 2 or int(y.max()) >= logits0.shape[1] or int(y.min()) < 0:
                 raise ValueError(
                     f"`y` must hold class indices in [0, {logits0.shape[1] - 1}] for logits of shape "
-                    f"{tuple(logits0.shape)}, got values in [{int(y.min())}, {int(y.max())}]."
+                    f"{tuple(logits0.shape)}, got values in [{int(y.min())}, {int(y.max())}]. Fix: pass labels as "
+                    "class indices of this model's output."
                 )
             logp0 = _label_logp(logits0, y, temperature)
         noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
@@ -300,16 +299,14 @@ def lpa3_attack(
                 delta = clamp(x + delta - g_hat * _per_sample(step / (slope + SLOPE_EPS), x).to(x.dtype)) - x
 
         with torch.no_grad():
-            evaluate = _Evaluator(feats, x, y, phi0, logp0, temperature, batch_coupled=bn_mode == "twin")
+            evaluate = _Evaluator(feats, x, y, phi0, temperature)
             alpha = torch.ones(n, device=x.device)
             logp_final, dist_final = evaluate(delta, alpha, torch.ones(n, dtype=torch.bool, device=x.device))
             ok = logp_final >= logp0 - sigma
-            projected = ~ok
+            projected = ~ok if project else torch.zeros_like(ok)
             if project and not bool(ok.all()):
                 alpha, logp_final, dist_final = _bisect(evaluate, delta, ok, logp_final, dist_final, logp0, sigma,
                                                         bisection_steps)
-                if bn_mode == "twin":  # batch statistics moved with the alphas: re-measure
-                    logp_final, dist_final = evaluate(delta, alpha, torch.ones(n, dtype=torch.bool, device=x.device))
             x_adv = (x + _per_sample(alpha, x).to(x.dtype) * delta).detach()
 
     if not return_stats:
@@ -326,25 +323,20 @@ def lpa3_attack(
 
 
 class _Evaluator:
-    """``log p(y|x + alpha * delta)`` and the perceptual distance, for a subset of samples."""
+    """``log p(y|x + alpha * delta)`` and the perceptual distance, for a subset of samples.
 
-    def __init__(self, feats: PerceptualFeatures, x: Tensor, y: Tensor, phi0: Tensor, logp0: Tensor,
-                 temperature: float, batch_coupled: bool) -> None:
+    Valid because every sample's output depends on that sample alone in both BN modes.
+    """
+
+    def __init__(self, feats: PerceptualFeatures, x: Tensor, y: Tensor, phi0: Tensor, temperature: float) -> None:
         self.feats, self.x, self.y, self.phi0 = feats, x, y, phi0
         self.temperature = temperature
-        self.batch_coupled = batch_coupled
 
     def __call__(self, delta: Tensor, alpha: Tensor, which: Tensor) -> tuple[Tensor, Tensor]:
-        # In eval mode each sample is independent, so only the samples asked for are run;
-        # with batch statistics the whole batch must go through together.
-        rows = torch.ones_like(which) if self.batch_coupled else which
-        x_eval = self.x[rows] + _per_sample(alpha[rows], self.x).to(self.x.dtype) * delta[rows]
+        x_eval = self.x[which] + _per_sample(alpha[which], self.x).to(self.x.dtype) * delta[which]
         logits, phi = self.feats(x_eval)
-        logp = _label_logp(logits, self.y[rows], self.temperature)
-        dist = (phi - self.phi0[rows]).norm(dim=1)
-        if self.batch_coupled:
-            return logp[which], dist[which]
-        return logp, dist
+        logp = _label_logp(logits, self.y[which], self.temperature)
+        return logp, (phi - self.phi0[which]).norm(dim=1)
 
 
 def _bisect(evaluate: _Evaluator, delta: Tensor, ok: Tensor, logp: Tensor, dist: Tensor, logp0: Tensor,

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
+from torch import Tensor, nn
 
 from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
@@ -53,9 +53,10 @@ class LPA3Callback(Callback):
             ``(low, high)`` / ``{"mean": ..., "std": ...}``.
         project: keep the label-preserving constraint on every sample (default) or run the
             authors' unconstrained loop (False).
-        attack_bn: ``"eval"`` (default): attack the model with BN on running statistics,
-            nothing moves. ``"twin"``: the authors' choice, twin BN with batch statistics
-            (needs ``convert_dual_bn``). ``"auto"``: twin when the model has twins.
+        attack_bn: ``"auto"`` (default): through the twin BatchNorms when the model has
+            them (the authors' choice), else ``"eval"``: the model in eval mode, BN on its
+            running statistics. ``"twin"`` requires twins. No running statistic moves in
+            any mode (see :func:`~lpa3_lightning.attack.lpa3_attack`).
         temperature: softmax temperature for TCS and ``log p``.
         num_samples: training-set size for the TCS memory; None infers it from the train
             dataloader's dataset.
@@ -83,7 +84,7 @@ class LPA3Callback(Callback):
         layers: str | Sequence[str] | None = None,
         input_range: InputRange | Literal["auto"] = "auto",
         project: bool = True,
-        attack_bn: Literal["eval", "twin", "auto"] = "eval",
+        attack_bn: Literal["eval", "twin", "auto"] = "auto",
         temperature: float = 1.0,
         num_samples: int | None = None,
         tcs_divergence: Literal["code", "paper"] = "code",
@@ -93,15 +94,23 @@ class LPA3Callback(Callback):
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
         if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
-            raise ValueError(f"`warmup_epochs` must be an int >= 0, got {warmup_epochs!r}.")
+            raise ValueError(f"`warmup_epochs` must be an int >= 0, got {warmup_epochs!r}. Fix: use 0 (no warm-up).")
         if attack_bn not in ("eval", "twin", "auto"):
-            raise ValueError(f"`attack_bn` must be 'eval', 'twin' or 'auto', got {attack_bn!r}.")
+            raise ValueError(f"`attack_bn` must be 'eval', 'twin' or 'auto', got {attack_bn!r}. Fix: use 'auto'.")
         if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
-            raise ValueError(f"`num_samples` must be None or a positive int, got {num_samples!r}.")
+            raise ValueError(f"`num_samples` must be None or a positive int, got {num_samples!r}. Fix: use None to "
+                             "infer it from the train dataloader's dataset.")
         if tcs_divergence not in ("code", "paper"):
-            raise ValueError(f"`tcs_divergence` must be 'code' or 'paper', got {tcs_divergence!r}.")
+            raise ValueError(f"`tcs_divergence` must be 'code' or 'paper', got {tcs_divergence!r}. Fix: use 'code'.")
         if tcs_initial_memory not in ("uniform", "authors"):
-            raise ValueError(f"`tcs_initial_memory` must be 'uniform' or 'authors', got {tcs_initial_memory!r}.")
+            raise ValueError(f"`tcs_initial_memory` must be 'uniform' or 'authors', got {tcs_initial_memory!r}. "
+                             "Fix: use 'uniform'.")
+        if not isinstance(project, bool):
+            raise ValueError(f"`project` must be True or False, got {project!r}.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"`seed` must be None or an int, got {seed!r}.")
+        if layers is not None and not isinstance(layers, (str, Sequence)):
+            raise ValueError(f"`layers` must be None, a name/pattern or a list of them, got {layers!r}.")
         if input_range not in ("auto", None) and not isinstance(input_range, (Mapping, Sequence)):
             raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean', 'std'}}, got {input_range!r}.")
         self.sigma = float(sigma)
@@ -124,7 +133,9 @@ class LPA3Callback(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(ratio=self.ratio, sigma=self.sigma)
+        # One fixed key: a resumed run with other settings (or a subclass) still finds its
+        # time-consistency memory; the memory does not depend on ratio or sigma.
+        return "LPA3Callback"
 
     # ------------------------------------------------------------------ setup and validation
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -137,7 +148,18 @@ class LPA3Callback(Callback):
                 "`lpa3_lightning.mixins.LPA3ModuleMixin` (or `SupervisedLPA3Mixin`) and implement `lpa3_request`; "
                 "see the README section 'Use it in your own LightningModule'."
             )
+        if trainer.world_size > 1:
+            raise NotImplementedError(
+                f"LPA3Callback does not sync its time-consistency memory across processes yet (world_size="
+                f"{trainer.world_size}); each rank would select from a different memory and a rank with no "
+                "selected sample would leave twin-BN parameters unused. Fix: train on one device for now."
+            )
         model = pl_module.lpa3_model()
+        if any(isinstance(m, nn.SyncBatchNorm) and hasattr(m, "twin") for m in model.modules()):
+            raise ValueError(
+                "The model has SyncBatchNorm layers that replaced twin BatchNorms (their twins are no longer "
+                "used). Fix: do not combine `sync_batchnorm=True` / convert_sync_batchnorm with convert_dual_bn yet."
+            )
         resolve_layers(model, self.layers)  # fails early, listing the available layer names
         if self.attack_bn == "twin" and not has_dual_bn(model):
             raise ValueError("`attack_bn='twin'` needs twin BatchNorms in the model. Fix: call "
@@ -187,6 +209,10 @@ class LPA3Callback(Callback):
         if trainer.current_epoch < self.warmup_epochs:
             return
         mask = self._memory().select(request.indices).to(request.inputs.device)
+        if int(mask.sum()) == 1:
+            # Batch statistics (twin BN in train mode) need two samples; a lone selection is
+            # dropped for this batch rather than crashing BatchNorm1d models.
+            mask = torch.zeros_like(mask)
         augmented = self._augment(pl_module, request, mask)
         pl_module.lpa3_set_augmented(augmented)
         self._log_batch(pl_module, request, augmented)
@@ -232,16 +258,16 @@ class LPA3Callback(Callback):
 
     def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch) -> None:
         n = request.inputs.shape[0]
-        values = {"lpa3/selected_fraction": len(augmented) / max(n, 1)}
+        pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
         if len(augmented) and augmented.stats is not None:
             stats = augmented.stats
-            values.update({
+            # per-sample statistics: averaged over the attacked samples, not the whole batch
+            pl_module.log_dict({
                 "lpa3/perceptual_distance": float(stats.perceptual_distance.mean()),
                 "lpa3/label_preserved": float(stats.preserved.float().mean()),
                 "lpa3/projected": float(stats.projected.float().mean()),
-                "lpa3/solver_seconds": self._last_solver_seconds,
-            })
-        pl_module.log_dict(values, on_step=True, on_epoch=True, batch_size=n)
+            }, on_step=True, on_epoch=True, batch_size=len(augmented))
+            pl_module.log("lpa3/solver_seconds", self._last_solver_seconds, on_step=True, on_epoch=True, batch_size=1)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -253,8 +279,14 @@ class LPA3Callback(Callback):
                 "`self.lpa3_record_predictions(indices, logits)` with the clean logits (the TCS memory needs them)."
             )
         indices, logits, targets = predictions
+        memory = self._memory()
+        if logits.dim() != 2 or logits.shape[1] != memory.num_classes:
+            raise ValueError(
+                f"The recorded logits have shape {tuple(logits.shape)} but lpa3_num_classes is {memory.num_classes}. "
+                "Fix: set `self.lpa3_num_classes` to the width of the model's logits."
+            )
         probs = torch.softmax(logits.float() / self.temperature, dim=1)
-        self._memory().update(indices, probs, targets)
+        memory.update(indices, probs, targets)
 
     def _memory(self) -> TimeConsistency:
         if self.tcs is None:

@@ -37,7 +37,8 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
         weight_decay: Adam weight decay.
         twin_bn: give every BatchNorm a twin for the augmented samples (authors' choice).
         lpa3_weight: weight of the loss on the hard positives.
-        model: use this network instead of building ``arch`` (any ``nn.Module`` returning logits).
+        model: use this network instead of building ``arch`` (any ``nn.Module`` returning logits);
+            with ``twin_bn`` its BatchNorms are converted in place.
 
     Example:
         >>> module = LPA3Classifier(in_channels=1, num_classes=2)
@@ -60,9 +61,9 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
     ) -> None:
         super().__init__()
         if lr <= 0:
-            raise ValueError(f"`lr` must be > 0, got {lr}.")
+            raise ValueError(f"`lr` must be > 0, got {lr}. Fix: use 1e-3 (the MedMNIST recipe).")
         if lpa3_weight < 0:
-            raise ValueError(f"`lpa3_weight` must be >= 0, got {lpa3_weight}.")
+            raise ValueError(f"`lpa3_weight` must be >= 0, got {lpa3_weight}. Fix: use 1.0 (Algorithm 1).")
         self.save_hyperparameters(ignore=["model"])
         self.model = model if model is not None else medmnist_resnet(arch, in_channels, num_classes)
         if twin_bn:
@@ -75,6 +76,19 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
         )
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
+
+    def setup(self, stage: str) -> None:
+        # The CLI takes model and data arguments separately; a mismatch would otherwise
+        # surface deep inside the first step (a channel error or a label out of bounds).
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        for name in ("num_classes", "in_channels"):
+            expected = getattr(datamodule, name, None)
+            if isinstance(expected, int) and expected != self.hparams[name]:
+                raise ValueError(
+                    f"The data module has {name}={expected} but the model was built with {name}="
+                    f"{self.hparams[name]}. Fix: pass `--model.init_args.{name} {expected}` (or "
+                    f"LPA3Classifier({name}={expected}))."
+                )
 
     def lpa3_model(self) -> nn.Module:
         return self.model

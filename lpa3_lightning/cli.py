@@ -1,6 +1,6 @@
 """The ``lpa3`` command: LightningCLI over any LightningModule / LightningDataModule.
 
-``lpa3 fit --config configs/medmnist/breastmnist_lpa3.yaml`` trains; with
+``lpa3 fit --config configs/medmnist/demo_breastmnist_lpa3.yaml`` trains; with
 ``--test_after_fit true`` it then tests the best checkpoint (or the last weights when no
 checkpoint callback monitors a metric) and prints the test metrics and where results went.
 ``python -m lpa3_lightning`` is the same command.
@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
-__all__ = ["LPA3CLI", "main"]
+__all__ = ["LPA3CLI", "build_cli", "main"]
 
 
 class LPA3CLI(LightningCLI):
@@ -38,17 +38,23 @@ class LPA3CLI(LightningCLI):
             print(f"logs and checkpoints: {trainer.log_dir}")
 
 
-def main(args: Any = None) -> None:
-    """Entry point of the ``lpa3`` console script."""
-    LPA3CLI(
+def build_cli(args: Any = None, run: bool = True) -> LPA3CLI:
+    """The CLI as ``lpa3`` builds it (``run=False`` only instantiates trainer, model and data)."""
+    return LPA3CLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
+        run=run,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )
+
+
+def main(args: Any = None) -> None:
+    """Entry point of the ``lpa3`` console script."""
+    build_cli(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,22 +34,36 @@ class _DualBatchNormMixin:
     twin: _BatchNorm
     _route_twin: bool
     _twin_track_stats: bool
+    _twin_frozen: tuple[Tensor, Tensor] | str | None
 
     def _init_twin(self, twin: _BatchNorm) -> None:
         self.twin = twin
         self._route_twin = False
         self._twin_track_stats = True
+        self._twin_frozen = None
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
         if not self._route_twin:
             return super().forward(x)  # type: ignore[misc]
         twin = self.twin
+        if self._twin_frozen is not None:
+            return self._frozen_twin_forward(x)
         if self._twin_track_stats or not twin.training:
             return twin(x)
-        # Batch statistics without touching the twin's running buffers (used by the attack,
-        # which must leave every running statistic as it found it).
+        # Batch statistics without touching the twin's running buffers.
         twin._check_input_dim(x)
         return F.batch_norm(x, None, None, twin.weight, twin.bias, True, 0.0, twin.eps)
+
+    def _frozen_twin_forward(self, x: Tensor) -> Tensor:
+        # The first forward captures its batch statistics; later ones normalise with them, so
+        # every sample's output depends on that sample alone (the attack's per-sample check).
+        twin = self.twin
+        twin._check_input_dim(x)
+        if self._twin_frozen == "capture":
+            dims = [0, *range(2, x.dim())]
+            self._twin_frozen = (x.detach().mean(dims), x.detach().var(dims, unbiased=False))
+        mean, var = self._twin_frozen  # type: ignore[misc]
+        return F.batch_norm(x, mean, var, twin.weight, twin.bias, False, 0.0, twin.eps)
 
     def _load_from_state_dict(
         self,
@@ -109,8 +123,10 @@ def _make_dual(bn: _BatchNorm, twin_momentum: float) -> _DualBatchNormMixin:
 def convert_dual_bn(model: nn.Module, twin_momentum: float = TWIN_MOMENTUM) -> nn.Module:
     """Give every BatchNorm1d/2d/3d of ``model`` a twin for augmented samples, in place.
 
-    Subclasses of the BatchNorm classes (e.g. SyncBatchNorm) are left alone: convert before
-    wrapping in SyncBatchNorm. Already converted layers are skipped, so calling twice is safe.
+    Subclasses of the BatchNorm classes (e.g. SyncBatchNorm) are left alone, and
+    ``SyncBatchNorm.convert_sync_batchnorm`` would drop the twins again: SyncBatchNorm is not
+    supported yet. Already converted layers are skipped, so calling twice is safe. Convert
+    before the optimizer is created: the new layers have new Parameter objects.
 
     Args:
         model: any network.
@@ -151,13 +167,18 @@ def has_dual_bn(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def use_twin_bn(model: nn.Module, track_running_stats: bool = True) -> Iterator[nn.Module]:
+def use_twin_bn(
+    model: nn.Module, track_running_stats: bool = True, freeze_statistics: bool = False
+) -> Iterator[nn.Module]:
     """Route every forward of ``model`` inside the block through the twin BatchNorms.
 
     Args:
         model: a model converted with :func:`convert_dual_bn`.
         track_running_stats: False uses batch statistics in train mode without updating the
             twins' running buffers.
+        freeze_statistics: the first forward inside the block normalises with its own batch
+            statistics and every later forward reuses them (running buffers untouched), so
+            samples no longer influence each other; used by the attack in ``bn_mode="twin"``.
 
     Raises:
         ValueError: if ``model`` has no twin BatchNorm.
@@ -168,13 +189,15 @@ def use_twin_bn(model: nn.Module, track_running_stats: bool = True) -> Iterator[
             f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first "
             "(or do not route through twins for this model)."
         )
-    saved = [(layer._route_twin, layer._twin_track_stats) for layer in layers]
+    saved = [(layer._route_twin, layer._twin_track_stats, layer._twin_frozen) for layer in layers]
     try:
         for layer in layers:
             layer._route_twin = True
             layer._twin_track_stats = track_running_stats
+            layer._twin_frozen = "capture" if freeze_statistics else None
         yield model
     finally:
-        for layer, (route, track) in zip(layers, saved):
+        for layer, (route, track, frozen) in zip(layers, saved):
             layer._route_twin = route
             layer._twin_track_stats = track
+            layer._twin_frozen = frozen

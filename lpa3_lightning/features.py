@@ -57,10 +57,11 @@ def default_feature_layers(model: nn.Module) -> list[str]:
 
     In order of preference:
 
-    1. top-level residual stages named ``layer1``, ``layer2``, ... (torchvision ResNets and
-       this project's MedMNIST ResNets), as the authors use for PreAct-ResNet18;
-    2. top-level stages named ``block1``, ``block2``, ... (Wide-ResNets), as the authors use
-       for WRN-28;
+    1. residual stages named ``layer1``, ``layer2``, ... (torchvision ResNets and this
+       project's MedMNIST ResNets), as the authors use for PreAct-ResNet18;
+    2. stages named ``block1``, ``block2``, ... (Wide-ResNets), as the authors use for WRN-28;
+
+    (for 1 and 2 the shallowest such modules, so a wrapper holding the network finds them);
     3. every convolution (plain CNNs);
     4. every ``nn.Linear`` except the last one registered (MLPs on tabular data or signals;
        the last linear is taken to be the classification head).
@@ -71,11 +72,14 @@ def default_feature_layers(model: nn.Module) -> list[str]:
     Returns:
         Module names as in ``model.named_modules()``; empty when nothing qualifies.
     """
-    top = [name for name, _ in model.named_children()]
+    names = [name for name, _ in model.named_modules() if name]
     for pattern in (_RESIDUAL_STAGE, _WRN_BLOCK):
-        stages = [name for name in top if pattern.fullmatch(name)]
+        # the shallowest stages, so that a wrapper (e.g. a LightningModule holding the
+        # network as ``self.model``) finds ``model.layer1`` ... as well
+        stages = [name for name in names if pattern.fullmatch(name.rsplit(".", 1)[-1])]
         if stages:
-            return stages
+            depth = min(name.count(".") for name in stages)
+            return [name for name in stages if name.count(".") == depth]
     convs = [name for name, m in model.named_modules() if isinstance(m, _CONVS)]
     if convs:
         return convs

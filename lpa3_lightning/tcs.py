@@ -172,7 +172,8 @@ class TimeConsistency:
         indices = self._check_indices(indices)
         if probs.shape != (indices.numel(), self.num_classes):
             raise ValueError(
-                f"`probs` must have shape ({indices.numel()}, {self.num_classes}), got {tuple(probs.shape)}."
+                f"`probs` must have shape ({indices.numel()}, {self.num_classes}), got {tuple(probs.shape)}. Fix: one "
+                f"probability row per index, with as many classes as the memory was built for ({self.num_classes})."
             )
         probs = probs.detach().to(self.device, torch.float32)
         div = tcs_divergence(self.memory[indices], probs, None if targets is None else targets.to(self.device),

@@ -78,12 +78,20 @@ def test_authors_loop_breaks_the_constraint_where_the_default_keeps_it():
     assert bool((proj.projected == ~raw.preserved).all())
 
 
-def test_hard_positive_is_farther_in_feature_space_than_random_noise_of_same_size():
-    torch.manual_seed(0)
-    net = small_cnn()
-    net.eval()
-    x, y = _batch(16)
-    x_adv = lpa3_attack(net, x, y, sigma=0.02, input_range=(-3.0, 3.0), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("model", ["untrained", "confident"])
+def test_hard_positive_is_farther_in_feature_space_than_random_noise_of_same_size(model):
+    if model == "confident":  # where the default bisection pulls samples back
+        net = confident_cnn()
+        x, y = confident_batch(16)
+    else:
+        torch.manual_seed(0)
+        net = small_cnn()
+        net.eval()
+        x, y = _batch(16)
+    x_adv, stats = lpa3_attack(net, x, y, sigma=0.02, input_range=(-3.0, 3.0), return_stats=True,
+                               generator=torch.Generator().manual_seed(0))
+    if model == "confident":
+        assert bool(stats.projected.any())
     delta = x_adv - x
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     noise = noise / noise.flatten(1).norm(dim=1).view(-1, 1, 1, 1) * delta.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
@@ -94,7 +102,8 @@ def test_hard_positive_is_farther_in_feature_space_than_random_noise_of_same_siz
         _, phi_rand = feats(x + noise)
     d_adv = (phi_adv - phi).norm(dim=1)
     d_rand = (phi_rand - phi).norm(dim=1)
-    assert bool((d_adv > d_rand).all())
+    moved = delta.flatten(1).norm(dim=1) > 0
+    assert bool((d_adv[moved] > d_rand[moved]).all())
     assert float(d_adv.mean()) > 1.2 * float(d_rand.mean())
 
 
@@ -175,32 +184,73 @@ def test_invariants_parameters_grads_bn_stats_and_modes(train_mode, twin):
     assert all(p.grad is None for name, p in net.named_parameters() if name != "0.weight")
 
 
-def test_invariants_hold_when_the_call_raises():
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("fail_on_forward", [1, 3, 6])
+def test_invariants_hold_when_the_call_raises(twin, fail_on_forward):
+    """A model that raises on its k-th forward: before the loop, inside it, in the checks."""
+
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = small_cnn()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == fail_on_forward:
+                raise RuntimeError("boom")
+            return self.body(x)
+
     torch.manual_seed(0)
-    net = small_cnn()
+    net = Flaky()
+    if twin:
+        convert_dual_bn(net)
     net.train()
+    net.body[0].weight.grad = torch.full_like(net.body[0].weight, 0.25)
     modes = {name: m.training for name, m in net.named_modules()}
     before = snapshot(net)
-    x, _ = _batch()
-    bad_y = torch.full((x.shape[0],), 7)  # out of range for 3 classes: raises after the model ran
-    with pytest.raises(ValueError, match="class indices"):
-        lpa3_attack(net, x, bad_y)
+    x, y = _batch()
+    with pytest.raises(RuntimeError, match="boom"):
+        lpa3_attack(net, x, y, bn_mode="twin" if twin else "eval")
     assert {name: m.training for name, m in net.named_modules()} == modes
     after = snapshot(net)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(not m._forward_hooks for m in net.modules())
+    assert torch.equal(net.body[0].weight.grad, torch.full_like(net.body[0].weight, 0.25))
+    for layer in net.modules():
+        if hasattr(layer, "_route_twin"):
+            assert layer._route_twin is False and layer._twin_frozen is None
 
 
-def test_twin_mode_with_author_stats_moves_only_the_twin_statistics():
+def test_label_out_of_range_is_refused_and_leaves_the_model_as_found():
     torch.manual_seed(0)
-    net = convert_dual_bn(small_cnn())
+    net = small_cnn()
     net.train()
-    main_before = net[1].running_mean.clone()
-    twin_before = net[1].twin.running_mean.clone()
-    x, y = _batch()
-    lpa3_attack(net, x, y, bn_mode="twin", update_twin_stats=True)
-    assert torch.equal(net[1].running_mean, main_before)
-    assert not torch.equal(net[1].twin.running_mean, twin_before)
+    before = snapshot(net)
+    x, _ = _batch()
+    with pytest.raises(ValueError, match="class indices"):
+        lpa3_attack(net, x, torch.full((x.shape[0],), 7))
+    assert net.training and all(torch.equal(before[k], v) for k, v in snapshot(net).items())
+
+
+@pytest.mark.parametrize("sigma", [0.002, 0.02])
+def test_twin_mode_keeps_the_constraint_per_sample_and_moves_no_statistic(sigma):
+    from lpa3_lightning.attack import _attack_mode, _label_logp
+
+    net = convert_dual_bn(confident_cnn())
+    net.train()
+    before = snapshot(net)
+    x, y = confident_batch()
+    x_adv, stats = lpa3_attack(net, x, y, sigma=sigma, bn_mode="twin", return_stats=True,
+                               generator=torch.Generator().manual_seed(0))
+    after = snapshot(net)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # twin buffers included
+    # an independent re-measurement in the same forward (twin, clean-batch statistics)
+    with _attack_mode(net, "twin"), torch.no_grad():
+        drop = _label_logp(net(x), y, 1.0) - _label_logp(net(x_adv), y, 1.0)
+    assert bool((drop <= sigma + 1e-6).all())
+    assert bool(stats.preserved.all())
+    torch.testing.assert_close(stats.logp_drop, drop, atol=1e-5, rtol=0)
 
 
 def test_gradients_are_taken_with_respect_to_the_input_only():

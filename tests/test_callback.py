@@ -124,22 +124,92 @@ def test_callback_never_moves_main_bn_statistics_during_the_attack(tmp_path):
         assert torch.equal(plain[key], attacked[key]), key
 
 
-def test_checkpoint_holds_and_restores_the_tcs_state(tmp_path):
+class RecordsStartState(LPA3Callback):
+    """Remembers the TCS state and generator state as training (re)starts."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.loaded_generator_state = None if self._generator_state is None else self._generator_state.clone()
+        super().on_train_start(trainer, pl_module)
+        self.start_state = self.tcs.state_dict()
+
+
+def test_resume_restores_tcs_and_noise_generator_then_keeps_training(tmp_path):
     pl.seed_everything(0)
     callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=2)
-    trainer.fit(TinyClassifier(), _loader())
-    ckpt = tmp_path / "final.ckpt"
+    trainer.fit(module, _loader())
+    ckpt = tmp_path / "epoch2.ckpt"
     trainer.save_checkpoint(ckpt)
     saved = torch.load(ckpt, weights_only=False)["callbacks"][callback.state_key]
     torch.testing.assert_close(saved["tcs"]["memory"], callback.tcs.memory)
 
-    resumed = LPA3Callback(ratio=0.5, steps=1, seed=0)
-    trainer2 = _trainer(tmp_path, [resumed], max_epochs=2)  # already done: restores, trains nothing
-    trainer2.fit(TinyClassifier(), _loader(), ckpt_path=ckpt)
-    assert torch.equal(resumed.tcs.memory, callback.tcs.memory)
-    assert torch.equal(resumed.tcs.scores, callback.tcs.scores)
-    assert torch.equal(resumed.tcs.threshold, callback.tcs.threshold)
+    resumed = RecordsStartState(ratio=0.5, steps=1, seed=0)
+    module2 = TinyClassifier()
+    trainer2 = _trainer(tmp_path, [resumed], max_epochs=3)
+    trainer2.fit(module2, _loader(), ckpt_path=ckpt)
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(resumed.start_state[key], saved["tcs"][key]), key
+    assert torch.equal(resumed.loaded_generator_state, saved["generator_state"])
+    # the third epoch ran with the restored threshold: about half selected, not everything
+    assert 0 < sum(module2.seen_augmented) < 48
+    assert not torch.equal(resumed.tcs.scores, saved["tcs"]["scores"])
+
+
+def test_attack_through_the_twin_in_a_trainer(tmp_path):
+    pl.seed_everything(0)
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.5, steps=2, attack_bn="twin", seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(module, _loader())
+    assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) == 1.0
+    assert sum(module.seen_augmented) > 0
+
+
+def test_auto_attack_mode_picks_twin_only_when_present(tmp_path):
+    seen_modes = []
+
+    class Spy(LPA3Callback):
+        def _augment(self, pl_module, request, mask):
+            import lpa3_lightning.callback as cb
+
+            original = cb.lpa3_attack
+
+            def spy(*args, **kwargs):
+                seen_modes.append(kwargs["bn_mode"])
+                return original(*args, **kwargs)
+
+            cb.lpa3_attack = spy
+            try:
+                return super()._augment(pl_module, request, mask)
+            finally:
+                cb.lpa3_attack = original
+
+    for twin in (True, False):
+        _trainer(tmp_path, [Spy(steps=1)], max_epochs=1, limit_train_batches=1).fit(TinyClassifier(twin_bn=twin),
+                                                                                 _loader())
+    assert seen_modes == ["twin", "eval"]
+
+
+def test_a_lone_selected_sample_is_dropped_for_batch_statistics(tmp_path):
+    class BN1dClassifier(TinyClassifier):
+        def __init__(self):
+            super().__init__()
+            self.model = convert_dual_bn(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                                                       nn.Linear(16, 3)))
+
+    class SelectOne(LPA3Callback):
+        def on_train_start(self, trainer, pl_module):
+            super().on_train_start(trainer, pl_module)
+            self.tcs.scores[:] = 0.0
+            self.tcs.scores[0] = -1.0  # only sample 0 below the threshold
+            self.tcs.seen[:] = True
+            self.tcs.threshold = torch.tensor(-0.5)
+
+    module = BN1dClassifier()
+    trainer = _trainer(tmp_path, [SelectOne(steps=1)], max_epochs=1)
+    trainer.fit(module, DataLoader(indexed_images(8), batch_size=8))
+    assert module.seen_augmented == [0]
 
 
 def test_resume_on_a_data_set_of_another_size_is_refused(tmp_path):
@@ -251,3 +321,33 @@ def test_input_range_auto_uses_the_datamodule_normalization(tmp_path):
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(TinyClassifier(), datamodule=DM())
     assert callback._resolved_range == {"mean": [0.5], "std": [0.5]}
+
+
+def test_multi_process_training_is_refused_until_tcs_is_synced(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 2))
+    with pytest.raises(NotImplementedError, match="one device"):
+        trainer.fit(TinyClassifier(), _loader())
+
+
+def test_sync_batchnorm_over_twins_is_refused(tmp_path):
+    module = TinyClassifier()
+    module.model = nn.SyncBatchNorm.convert_sync_batchnorm(module.model)
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    with pytest.raises(ValueError, match="SyncBatchNorm"):
+        trainer.fit(module, _loader())
+
+
+def test_logits_width_must_match_num_classes(tmp_path):
+    module = TinyClassifier()
+    module.lpa3_num_classes = 4  # the model has 3 outputs
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    with pytest.raises(ValueError, match="lpa3_num_classes"):
+        trainer.fit(module, _loader())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"project": "no"}, "project"), ({"seed": 1.5}, "seed"),
+                                                ({"layers": 3}, "layers")])
+def test_constructor_checks_types(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LPA3Callback(**kwargs)

@@ -7,18 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import LightningDataModule, LightningModule
 
 from lpa3_lightning import LPA3Callback, LPA3Classifier
-from lpa3_lightning.cli import LPA3CLI, main
+from lpa3_lightning.cli import LPA3CLI, build_cli, main
 from lpa3_lightning.data import MedMNISTDataModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "medmnist"
 
 
 def _instantiate(config: Path, *overrides: str) -> LPA3CLI:
-    return LPA3CLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                   run=False, args=["--config", str(config), *overrides])
+    return build_cli(["--config", str(config), *overrides], run=False)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +61,38 @@ def test_python_dash_m_is_the_same_command():
     assert "--test_after_fit" in done.stdout and "--config" in done.stdout
 
 
-def test_bad_config_value_is_refused_by_the_parser(tmp_path):
+def test_lpa3_console_script_is_installed():
+    script = Path(sys.executable).parent / "lpa3"
+    assert script.exists(), "the `lpa3` console script is not installed next to the interpreter"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fit" in done.stdout and "test" in done.stdout
+
+
+def _config_with_ratio(tmp_path: Path, value: str) -> Path:
+    text = (CONFIGS / "lpa3_tau0.5.yaml").read_text()
+    assert "ratio: 0.5" in text
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.replace("ratio: 0.5", f"ratio: {value}"))
+    return path
+
+
+def test_bad_config_value_is_refused_by_the_parser(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        _instantiate(CONFIGS / "lpa3_tau0.5.yaml", "--trainer.callbacks.init_args.ratio=oops")
+        _instantiate(_config_with_ratio(tmp_path, "oops"), f"--trainer.default_root_dir={tmp_path}")
+    err = capsys.readouterr().err
+    assert "ratio" in err and "oops" in err
+
+
+def test_out_of_range_ratio_in_a_config_is_refused_with_the_fix(tmp_path, capsys):
+    with pytest.raises((SystemExit, ValueError)) as info:
+        _instantiate(_config_with_ratio(tmp_path, "1.5"), f"--trainer.default_root_dir={tmp_path}")
+    message = str(info.value) + capsys.readouterr().err
+    assert "`ratio`" in message and "(0, 1]" in message and "Fix" in message
+
+
+def test_model_and_data_mismatch_is_refused_before_training(tmp_path):
+    cli = _instantiate(CONFIGS / "demo_breastmnist_lpa3.yaml", "--model.init_args.num_classes=5",
+                       f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    with pytest.raises(ValueError, match="--model.init_args.num_classes 2"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -377,3 +377,15 @@ def test_unused_layer_raises_runtime_error_and_removes_hooks() -> None:
         feats(torch.randn(2, 3, 5, 5))
     assert len(net.conv._forward_hooks) == 0
     assert len(net.unused._forward_hooks) == 0
+
+
+def test_default_layers_are_found_through_a_wrapper():
+    """A LightningModule-like wrapper holding the network finds its stages, not every conv."""
+    import torchvision
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torchvision.models.resnet18(num_classes=2)
+
+    assert default_feature_layers(Wrapper()) == ["model.layer1", "model.layer2", "model.layer3", "model.layer4"]
