@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.distributed import gather_predictions
 from lpa3_lightning.dual_bn import has_dual_bn
 from lpa3_lightning.features import resolve_layers
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
@@ -148,12 +149,6 @@ class LPA3Callback(Callback):
                 "`lpa3_lightning.mixins.LPA3ModuleMixin` (or `SupervisedLPA3Mixin`) and implement `lpa3_request`; "
                 "see the README section 'Use it in your own LightningModule'."
             )
-        if trainer.world_size > 1:
-            raise NotImplementedError(
-                f"LPA3Callback does not sync its time-consistency memory across processes yet (world_size="
-                f"{trainer.world_size}); each rank would select from a different memory and a rank with no "
-                "selected sample would leave twin-BN parameters unused. Fix: train on one device for now."
-            )
         model = pl_module.lpa3_model()
         if any(isinstance(m, nn.SyncBatchNorm) and hasattr(m, "twin") for m in model.modules()):
             raise ValueError(
@@ -208,14 +203,18 @@ class LPA3Callback(Callback):
         pl_module.lpa3_set_augmented(None)
         if trainer.current_epoch < self.warmup_epochs:
             return
+        mask = self._select(request)
+        augmented = self._augment(pl_module, request, mask)
+        pl_module.lpa3_set_augmented(augmented)
+        self._log_batch(pl_module, request, augmented)
+
+    def _select(self, request: LPA3Request) -> Tensor:
         mask = self._memory().select(request.indices).to(request.inputs.device)
         if int(mask.sum()) == 1:
             # Batch statistics (twin BN in train mode) need two samples; a lone selection is
             # dropped for this batch rather than crashing BatchNorm1d models.
             mask = torch.zeros_like(mask)
-        augmented = self._augment(pl_module, request, mask)
-        pl_module.lpa3_set_augmented(augmented)
-        self._log_batch(pl_module, request, augmented)
+        return mask
 
     def _check_request(self, request: LPA3Request) -> None:
         if not isinstance(request, LPA3Request):
@@ -286,6 +285,10 @@ class LPA3Callback(Callback):
                 "Fix: set `self.lpa3_num_classes` to the width of the model's logits."
             )
         probs = torch.softmax(logits.float() / self.temperature, dim=1)
+        # Every rank applies every rank's predictions, so the memory (and with it the
+        # threshold and the selection) is identical everywhere; a no-op on one process.
+        indices, probs, targets = gather_predictions(indices.to(probs.device), probs,
+                                                     None if targets is None else targets.to(probs.device))
         memory.update(indices, probs, targets)
 
     def _memory(self) -> TimeConsistency:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "convert_dual_bn", "has_dual_bn", "use_twin_bn"]
+__all__ = ["DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "convert_dual_bn", "has_dual_bn", "twin_parameters", "use_twin_bn"]
 
 #: The authors' momentum for the twin BN's running statistics.
 TWIN_MOMENTUM = 0.01
@@ -159,6 +159,11 @@ def convert_dual_bn(model: nn.Module, twin_momentum: float = TWIN_MOMENTUM) -> n
 
 def _dual_layers(model: nn.Module) -> list[_DualBatchNormMixin]:
     return [m for m in model.modules() if isinstance(m, _DUAL_TYPES)]
+
+
+def twin_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The affine parameters of every twin BatchNorm of ``model``."""
+    return [p for layer in _dual_layers(model) for p in layer.twin.parameters()]
 
 
 def has_dual_bn(model: nn.Module) -> bool:

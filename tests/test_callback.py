@@ -323,13 +323,6 @@ def test_input_range_auto_uses_the_datamodule_normalization(tmp_path):
     assert callback._resolved_range == {"mean": [0.5], "std": [0.5]}
 
 
-def test_multi_process_training_is_refused_until_tcs_is_synced(tmp_path, monkeypatch):
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
-    monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 2))
-    with pytest.raises(NotImplementedError, match="one device"):
-        trainer.fit(TinyClassifier(), _loader())
-
-
 def test_sync_batchnorm_over_twins_is_refused(tmp_path):
     module = TinyClassifier()
     module.model = nn.SyncBatchNorm.convert_sync_batchnorm(module.model)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lpa3_lightning.augmented import LPA3Request
-from lpa3_lightning.dual_bn import has_dual_bn, use_twin_bn
+from lpa3_lightning.dual_bn import has_dual_bn, twin_parameters, use_twin_bn
 from lpa3_lightning.mixins.base import LPA3ModuleMixin
 
 __all__ = ["SupervisedLPA3Mixin", "split_indexed_batch"]
@@ -73,14 +73,19 @@ class SupervisedLPA3Mixin(LPA3ModuleMixin):
         self.lpa3_record_predictions(idx, logits, y)
         loss_clean = F.cross_entropy(logits, y)
         augmented = self.lpa3_take_augmented()
-        loss_aug = logits.new_zeros(())
+        twins = self.lpa3_twin_bn and has_dual_bn(model)
         num_aug = 0
         if augmented is not None and len(augmented) > 0:
-            route = use_twin_bn(model) if self.lpa3_twin_bn and has_dual_bn(model) else contextlib.nullcontext()
-            with route:
+            with use_twin_bn(model) if twins else contextlib.nullcontext():
                 logits_aug = model(augmented.inputs)
             loss_aug = F.cross_entropy(logits_aug, augmented.targets)
             num_aug = len(augmented)
+        else:
+            # No x' on this rank (warm-up, nothing selected): the twin parameters still join
+            # the graph with a zero gradient, so DDP needs no `find_unused_parameters` and no
+            # rank waits for a gradient another rank never computes.
+            loss_aug = sum((0.0 * p.sum() for p in twin_parameters(model)), logits.new_zeros(())) if twins \
+                else logits.new_zeros(())
         loss = loss_clean + self.lpa3_weight * loss_aug
         parts = {"loss_clean": loss_clean.detach(), "loss_aug": loss_aug.detach(),
                  "num_augmented": torch.tensor(float(num_aug))}

@@ -1,0 +1,90 @@
+"""Cross-process sync of the per-sample predictions that feed the TCS memory (no Lightning).
+
+Under data parallelism every process sees a different slice of each global batch. To keep
+the time-consistency memory identical on every rank (as the authors' code does), each step
+all-gathers the dataset indices, predicted probabilities and labels of every rank, and every
+rank applies the same update. ``DistributedSampler`` pads the last global batch with
+duplicate indices; the first occurrence in rank order is kept, so every rank drops the same
+rows.
+
+Bytes per sample and step: 8 (int64 index) + 4 * C (float32 probabilities) + 8 (int64 label);
+each rank receives ``world_size`` times its own share, so the traffic per rank grows linearly
+with the world size (an all-gather).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["bytes_per_sample", "deduplicate_first", "gather_predictions", "is_distributed"]
+
+
+def is_distributed() -> bool:
+    """True inside an initialised process group with more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def bytes_per_sample(num_classes: int) -> int:
+    """Bytes one sample adds to the per-step all-gather (index, probabilities, label)."""
+    return 8 + 4 * num_classes + 8
+
+
+def deduplicate_first(indices: Tensor) -> Tensor:
+    """Boolean mask keeping the first occurrence of every index (in the given order).
+
+    Example:
+        >>> deduplicate_first(torch.tensor([3, 1, 3, 2, 1])).tolist()
+        [True, True, False, True, False]
+    """
+    if indices.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=indices.device)
+    order = torch.argsort(indices, stable=True)
+    sorted_idx = indices[order]
+    first_sorted = torch.ones_like(sorted_idx, dtype=torch.bool)
+    first_sorted[1:] = sorted_idx[1:] != sorted_idx[:-1]
+    keep = torch.zeros_like(first_sorted)
+    keep[order] = first_sorted
+    return keep
+
+
+def _all_gather_padded(t: Tensor, sizes: list[int]) -> Tensor:
+    """All-gather a tensor whose first dimension differs across ranks."""
+    longest = max(sizes)
+    padded = t.new_zeros((longest, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous())
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def gather_predictions(
+    indices: Tensor, probs: Tensor, targets: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Every rank's ``(indices, probs, targets)`` of this step, deduplicated, in rank order.
+
+    Outside a multi-process group the inputs come back unchanged. Collective: every rank
+    must call it at the same step, also with an empty batch.
+
+    Args:
+        indices: ``(B,)`` dataset indices of this rank's batch.
+        probs: ``(B, C)`` probabilities.
+        targets: optional ``(B,)`` labels (every rank must pass them, or none).
+
+    Returns:
+        The concatenation over ranks (rank 0 first) with duplicate indices removed.
+    """
+    if not is_distributed():
+        return indices, probs, targets
+    device = probs.device
+    # The communication device of the backend (gloo: CPU tensors; nccl: the rank's GPU).
+    size = torch.tensor([indices.shape[0]], device=device)
+    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes_t, size)
+    sizes = [int(s) for s in sizes_t]
+    all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
+    all_probs = _all_gather_padded(probs.float(), sizes)
+    all_targets = None if targets is None else _all_gather_padded(targets.to(device, torch.long), sizes)
+    keep = deduplicate_first(all_indices)
+    return all_indices[keep], all_probs[keep], None if all_targets is None else all_targets[keep]

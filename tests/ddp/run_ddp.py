@@ -1,0 +1,86 @@
+"""A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
+
+    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1} [extra]
+
+Lightning's "ddp" strategy starts the second process by running this script again. Each
+rank writes ``OUT_DIR/rank{R}.pt`` with its TCS state and every step's (indices, mask); rank 0
+also writes the checkpoint ``OUT_DIR/final.ckpt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lpa3_lightning import LPA3Callback  # noqa: E402
+from tests.helpers import indexed_images  # noqa: E402
+from tests.test_callback import TinyClassifier  # noqa: E402
+
+N, PER_RANK_BATCH, EPOCHS = 48, 8, 3
+
+
+def no_bn_net() -> nn.Module:
+    """No BatchNorm and no dropout: DDP with 2 x 8 equals one process with 16 (up to rounding)."""
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+
+
+class IgnoresAugmentation(TinyClassifier):
+    """Trains on the clean batch only, so DDP and one process follow the same weights."""
+
+    def __init__(self) -> None:
+        super().__init__(twin_bn=False)
+        torch.manual_seed(0)
+        self.model = no_bn_net()
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        logits = self.model(x)
+        self.lpa3_record_predictions(idx, logits, y)
+        self.lpa3_take_augmented()
+        return F.cross_entropy(logits, y)
+
+
+class Recording(LPA3Callback):
+    def __init__(self, *args, empty_rank: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.empty_rank = empty_rank
+        self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _select(self, request):
+        mask = super()._select(request)
+        if self.empty_rank is not None and self._rank == self.empty_rank:
+            mask = torch.zeros_like(mask)
+        self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
+        return mask
+
+    def on_train_start(self, trainer, pl_module):
+        self._rank = trainer.global_rank
+        super().on_train_start(trainer, pl_module)
+
+
+def main(out: Path, mode: str) -> None:
+    pl.seed_everything(0)
+    module = IgnoresAugmentation() if mode == "ignore_aug" else TinyClassifier(twin_bn=True)
+    callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None)
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out)
+    loader = DataLoader(indexed_images(N), batch_size=PER_RANK_BATCH, shuffle=False)
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(out / "final.ckpt")
+    torch.save({"tcs": callback.tcs.state_dict(), "steps": callback.record,
+                "params": {k: v.detach().clone() for k, v in module.state_dict().items()}},
+               out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

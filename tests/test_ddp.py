@@ -1,0 +1,109 @@
+"""Two CPU processes (gloo): the TCS memory stays identical on every rank, the selection equals
+a single-process run over the same global order, a rank that selects nothing neither deadlocks
+nor trips DDP over unused twin-BN parameters, and rank 0's checkpoint holds the synced state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from lpa3_lightning import TimeConsistency
+from lpa3_lightning.distributed import bytes_per_sample, deduplicate_first, gather_predictions
+from tests.ddp.run_ddp import EPOCHS, N, PER_RANK_BATCH, no_bn_net
+from tests.helpers import indexed_images
+
+SCRIPT = Path(__file__).resolve().parent / "ddp" / "run_ddp.py"
+pytestmark = pytest.mark.ddp
+
+
+def _launch(tmp_path: Path, mode: str) -> tuple[dict, dict]:
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True,
+                          timeout=300, cwd=SCRIPT.parents[2])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))  # type: ignore[return-value]
+
+
+def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeConsistency]:
+    """The same training as mode 'ignore_aug', in one process over the same global order."""
+    data = indexed_images(N)
+    x_all = torch.stack([data[i][0] for i in range(N)])
+    y_all = torch.stack([data[i][1] for i in range(N)])
+    torch.manual_seed(0)
+    net = no_bn_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    tcs = TimeConsistency(N, 3, 0.5)
+    masks: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for epoch in range(EPOCHS):
+        orders = []
+        for rank in (0, 1):
+            sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        for k in range(N // (2 * PER_RANK_BATCH)):
+            batches = [torch.tensor(order[k * PER_RANK_BATCH:(k + 1) * PER_RANK_BATCH]) for order in orders]
+            for rank, batch in enumerate(batches):
+                mask = tcs.select(batch)
+                masks[rank].append(torch.zeros_like(mask) if int(mask.sum()) == 1 else mask)
+            idx = torch.cat(batches)
+            logits = net(x_all[idx])
+            # DDP averages the two ranks' mean losses
+            loss = 0.5 * (F.cross_entropy(logits[:PER_RANK_BATCH], y_all[idx[:PER_RANK_BATCH]])
+                          + F.cross_entropy(logits[PER_RANK_BATCH:], y_all[idx[PER_RANK_BATCH:]]))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            tcs.update(idx, logits.detach().softmax(1))
+        tcs.refresh_threshold()
+    return masks, tcs
+
+
+def test_memory_identical_on_both_ranks_and_selection_equals_single_process(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "ignore_aug")
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    assert bool(rank0["tcs"]["seen"].all())
+
+    masks, reference = _single_process_reference()
+    for rank, result in ((0, rank0), (1, rank1)):
+        got = [mask for _, mask in result["steps"]]
+        assert len(got) == len(masks[rank])
+        for step, (a, b) in enumerate(zip(got, masks[rank])):
+            assert torch.equal(a, b), (rank, step)
+    torch.testing.assert_close(rank0["tcs"]["memory"], reference.memory, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rank0["tcs"]["scores"], reference.scores, atol=1e-5, rtol=0)
+
+    # rank 0 wrote the checkpoint: it holds the synced memory
+    saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
+    assert torch.equal(saved["memory"], rank1["tcs"]["memory"])
+
+
+def test_supervised_mixin_with_twin_bn_under_ddp(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "supervised")
+    assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
+    for key in rank0["params"]:  # DDP kept the replicas equal, twins included
+        assert torch.equal(rank0["params"][key], rank1["params"][key]) or "running" in key or "tracked" in key, key
+    assert sum(int(m.sum()) for _, m in rank0["steps"]) > 0
+
+
+def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "empty_rank1")
+    assert sum(int(m.sum()) for _, m in rank1["steps"]) == 0
+    assert sum(int(m.sum()) for _, m in rank0["steps"]) > 0
+    assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
+    twin_keys = [k for k in rank0["params"] if ".twin." in k and k.endswith(("weight", "bias"))]
+    assert twin_keys and all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in twin_keys)
+
+
+def test_gather_is_a_no_op_in_one_process_and_dedup_keeps_first():
+    idx, probs = torch.tensor([2, 0]), torch.rand(2, 3)
+    out = gather_predictions(idx, probs)
+    assert out[0] is idx and out[1] is probs and out[2] is None
+    assert deduplicate_first(torch.tensor([5, 5, 1, 5, 1])).tolist() == [True, False, True, False, False]
+    assert deduplicate_first(torch.tensor([], dtype=torch.long)).numel() == 0
+    assert bytes_per_sample(10) == 8 + 40 + 8
