@@ -321,3 +321,23 @@ def test_dict_output_needs_logits_fn():
     with pytest.raises(TypeError, match="logits_fn"):
         lpa3_attack(net, x, y)
     assert lpa3_attack(net, x, y, logits_fn=lambda out: out["logits"]).shape == x.shape
+
+
+def test_autocast_does_not_change_the_solver():
+    """The solver computes in float32 with autocast off, so bf16 autocast around it changes nothing."""
+    torch.manual_seed(0)
+    net = small_cnn()
+    x, y = _batch()
+    plain = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast, stats = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0), return_stats=True)
+    assert torch.equal(plain, under_autocast)
+    assert stats.logp_drop.dtype == torch.float32 and bool(stats.preserved.all())
+
+
+def test_low_precision_inputs_are_attacked_in_the_model_dtype_and_returned_in_theirs():
+    net = confident_cnn()
+    x, y = confident_batch(16)
+    x_adv, stats = lpa3_attack(net, x.bfloat16(), y, return_stats=True, generator=torch.Generator().manual_seed(0))
+    assert x_adv.dtype == torch.bfloat16
+    assert bool(torch.isfinite(x_adv.float()).all()) and bool(stats.preserved.all())

@@ -344,3 +344,14 @@ def test_logits_width_must_match_num_classes(tmp_path):
 def test_constructor_checks_types(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LPA3Callback(**kwargs)
+
+
+def test_bf16_mixed_precision_fit(tmp_path):
+    pl.seed_everything(0)
+    module = TinyClassifier()
+    trainer = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=2, seed=0)], max_epochs=2, precision="bf16-mixed")
+    trainer.fit(module, _loader())
+    metrics = trainer.callback_metrics
+    assert float(metrics["lpa3/label_preserved_epoch"]) == 1.0
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    assert sum(module.seen_augmented) > 0
