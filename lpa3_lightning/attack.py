@@ -257,6 +257,9 @@ def lpa3_attack(
         (True, True)
     """
     _check_arguments(model, x, y, sigma, steps, lam, temperature, bn_mode)
+    # A torch.compile'd module: attack its eager original, whose submodules take forward
+    # hooks (the compiled graph would not call hooks registered after compilation).
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     if isinstance(bisection_steps, bool) or not isinstance(bisection_steps, int) or bisection_steps < 1:
         raise ValueError(f"`bisection_steps` must be an int >= 1, got {bisection_steps!r}. Fix: use 8.")
     y = y.long()

@@ -131,6 +131,7 @@ class LPA3Callback(Callback):
         self._generator: torch.Generator | None = None
         self._generator_state: Tensor | None = None
         self._resolved_range: InputRange = None
+        self._nonfinite = 0
 
     @property
     def state_key(self) -> str:
@@ -199,7 +200,7 @@ class LPA3Callback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         request = pl_module.lpa3_request(batch)
-        self._check_request(request)
+        self._check_request(request, self._memory().num_classes)
         pl_module.lpa3_set_augmented(None)
         if trainer.current_epoch < self.warmup_epochs:
             return
@@ -210,13 +211,16 @@ class LPA3Callback(Callback):
 
     def _select(self, request: LPA3Request) -> Tensor:
         mask = self._memory().select(request.indices).to(request.inputs.device)
+        finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else mask
+        self._nonfinite = int((~finite).sum())
+        mask = mask & finite  # NaN / Inf inputs are never attacked (counted in lpa3/nonfinite_inputs)
         if int(mask.sum()) == 1:
             # Batch statistics (twin BN in train mode) need two samples; a lone selection is
             # dropped for this batch rather than crashing BatchNorm1d models.
             mask = torch.zeros_like(mask)
         return mask
 
-    def _check_request(self, request: LPA3Request) -> None:
+    def _check_request(self, request: LPA3Request, num_classes: int) -> None:
         if not isinstance(request, LPA3Request):
             raise TypeError(f"`lpa3_request` must return an LPA3Request, got {type(request).__name__}.")
         n = request.inputs.shape[0]
@@ -225,6 +229,15 @@ class LPA3Callback(Callback):
                 f"LPA3Request needs targets and indices of shape ({n},) for {n} inputs, got "
                 f"{tuple(request.targets.shape)} and {tuple(request.indices.shape)}. Fix: return one label and one "
                 "dataset index per sample."
+            )
+        if request.targets.is_floating_point() or request.targets.dtype == torch.bool:
+            raise ValueError(f"LPA3Request targets must be integer class indices, got {request.targets.dtype}. "
+                             "Fix: return labels as a long tensor (not one-hot or float).")
+        if n and (int(request.targets.min()) < 0 or int(request.targets.max()) >= num_classes):
+            raise ValueError(
+                f"Labels out of range: got values in [{int(request.targets.min())}, {int(request.targets.max())}] "
+                f"for {num_classes} classes (lpa3_num_classes). Fix: use class indices 0..{num_classes - 1}, or set "
+                "lpa3_num_classes to the number of classes."
             )
 
     def _augment(self, pl_module: pl.LightningModule, request: LPA3Request, mask: Tensor) -> AugmentedBatch:
@@ -237,7 +250,7 @@ class LPA3Callback(Callback):
         x_adv, stats = lpa3_attack(
             model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
             input_range=self._resolved_range, temperature=self.temperature, generator=self._generator_for(x),
-            project=self.project, bn_mode=bn_mode, return_stats=True,
+            project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, return_stats=True,
         )
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
@@ -258,6 +271,8 @@ class LPA3Callback(Callback):
     def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch) -> None:
         n = request.inputs.shape[0]
         pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
+        pl_module.log("lpa3/nonfinite_inputs", float(self._nonfinite), on_step=False, on_epoch=True,
+                      reduce_fx="sum", batch_size=n)
         if len(augmented) and augmented.stats is not None:
             stats = augmented.stats
             # per-sample statistics: averaged over the attacked samples, not the whole batch

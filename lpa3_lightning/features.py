@@ -48,7 +48,8 @@ def output_to_logits(output: Any) -> Tensor:
     raise TypeError(
         f"The model returned {type(output).__name__}, but LP-A3 needs the logits tensor. "
         "Fix: pass `logits_fn=` (a callable mapping the model output to logits, e.g. "
-        "`lambda out: out['logits']`) or make forward() return the logits."
+        "`lambda out: out['logits']`), override `lpa3_logits(output)` in a LightningModule using "
+        "LPA3Callback, or make forward() return the logits."
     )
 
 

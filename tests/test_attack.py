@@ -341,3 +341,13 @@ def test_low_precision_inputs_are_attacked_in_the_model_dtype_and_returned_in_th
     x_adv, stats = lpa3_attack(net, x.bfloat16(), y, return_stats=True, generator=torch.Generator().manual_seed(0))
     assert x_adv.dtype == torch.bfloat16
     assert bool(torch.isfinite(x_adv.float()).all()) and bool(stats.preserved.all())
+
+
+def test_a_compiled_model_is_attacked_through_its_eager_original():
+    torch.manual_seed(0)
+    net = small_cnn()
+    compiled = torch.compile(net)
+    x, y = _batch(4)
+    eager = lpa3_attack(net, x, y, steps=2, generator=torch.Generator().manual_seed(0))
+    through_compiled = lpa3_attack(compiled, x, y, steps=2, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(eager, through_compiled)

@@ -355,3 +355,87 @@ def test_bf16_mixed_precision_fit(tmp_path):
     assert float(metrics["lpa3/label_preserved_epoch"]) == 1.0
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
     assert sum(module.seen_augmented) > 0
+
+
+# ------------------------------------------------------------------- bad input and odd models
+class NanTolerant(TinyClassifier):
+    """Cleans its own inputs for its loss; the callback must keep NaN rows out of the attack."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        clean = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        return super().training_step((clean, y, idx), batch_idx)
+
+
+def _with_bad_rows(n: int = 48, nan_rows=(3,), inf_rows=(10,)) -> DataLoader:
+    data = indexed_images(n)
+    xs = torch.stack([data[i][0] for i in range(n)])
+    ys = torch.stack([data[i][1] for i in range(n)])
+    xs[list(nan_rows), 0, 0, 0] = float("nan")
+    xs[list(inf_rows), 0, 5, 5] = float("inf")
+    from lpa3_lightning.data import IndexedDataset
+
+    return DataLoader(IndexedDataset(TensorDataset(xs, ys)), batch_size=16, shuffle=False)
+
+
+def test_nonfinite_inputs_are_skipped_and_counted(tmp_path):
+    pl.seed_everything(0)
+    module = NanTolerant()
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(module, _with_bad_rows())
+    assert float(trainer.callback_metrics["lpa3/nonfinite_inputs"]) == 2.0
+    assert sum(module.seen_augmented) == 48 - 2  # ratio 1 before any threshold: all finite rows
+
+
+def test_labels_out_of_range_are_refused(tmp_path):
+    data = indexed_images(8)
+    xs = torch.stack([data[i][0] for i in range(8)])
+    from lpa3_lightning.data import IndexedDataset
+
+    loader = DataLoader(IndexedDataset(TensorDataset(xs, torch.full((8,), 5))), batch_size=4)
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    with pytest.raises(ValueError, match="Labels out of range"):
+        trainer.fit(TinyClassifier(), loader)
+
+
+def test_batch_of_size_one_trains_without_augmentation(tmp_path):
+    module = TinyClassifier()
+    callback = LPA3Callback(steps=1)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=4)
+    trainer.fit(module, DataLoader(indexed_images(8), batch_size=1))
+    assert module.seen_augmented == [0, 0, 0, 0]  # a lone selection is dropped
+    assert int(callback.tcs.seen.sum()) == 4
+
+
+def test_dict_output_model_through_the_lpa3_logits_adapter(tmp_path):
+    class DictNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = small_cnn()
+
+        def forward(self, x):
+            return {"logits": self.body(x), "aux": x.mean()}
+
+    class DictClassifier(TinyClassifier):
+        def __init__(self):
+            super().__init__(twin_bn=False)
+            self.model = DictNet()
+
+        def lpa3_logits(self, output):
+            return output["logits"]
+
+    module = DictClassifier()
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    trainer.fit(module, _loader())
+    assert sum(module.seen_augmented) == 48
+    assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) == 1.0
+
+
+def test_gradient_accumulation_attacks_and_tracks_every_micro_batch(tmp_path):
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.5, steps=1)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2, accumulate_grad_batches=3)
+    trainer.fit(module, _loader())
+    assert len(module.seen_augmented) == 6 and module.seen_augmented[:3] == [16, 16, 16]
+    assert bool(callback.tcs.seen.all()) and callback.tcs.has_threshold

@@ -14,11 +14,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.features import output_to_logits
 
 __all__ = ["LPA3ModuleMixin", "REQUIRED_METHODS"]
 
 #: Methods the callback calls; checked in ``LPA3Callback.setup``.
-REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_set_augmented", "lpa3_pop_predictions")
+REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_logits", "lpa3_set_augmented", "lpa3_pop_predictions")
 
 
 class LPA3ModuleMixin:
@@ -46,6 +47,14 @@ class LPA3ModuleMixin:
         so that layer names are the backbone's.
         """
         return self  # type: ignore[return-value]
+
+    def lpa3_logits(self, output: Any) -> Tensor:
+        """Map ``lpa3_model()``'s output to logits (the adapter for tuple / dict / dataclass outputs).
+
+        The default accepts a tensor and refuses anything else with a message; override,
+        e.g. ``return output["logits"]`` or ``return output[0]`` or ``return output.logits``.
+        """
+        return output_to_logits(output)
 
     def lpa3_set_augmented(self, augmented: AugmentedBatch | None) -> None:
         """Called by the callback before ``training_step`` with this batch's hard positives."""

@@ -69,7 +69,7 @@ class SupervisedLPA3Mixin(LPA3ModuleMixin):
         """
         x, y, idx = split_indexed_batch(batch)
         model = self.lpa3_model()
-        logits = model(x)
+        logits = self.lpa3_logits(model(x))
         self.lpa3_record_predictions(idx, logits, y)
         loss_clean = F.cross_entropy(logits, y)
         augmented = self.lpa3_take_augmented()
@@ -77,7 +77,7 @@ class SupervisedLPA3Mixin(LPA3ModuleMixin):
         num_aug = 0
         if augmented is not None and len(augmented) > 0:
             with use_twin_bn(model) if twins else contextlib.nullcontext():
-                logits_aug = model(augmented.inputs)
+                logits_aug = self.lpa3_logits(model(augmented.inputs))
             loss_aug = F.cross_entropy(logits_aug, augmented.targets)
             num_aug = len(augmented)
         else:
