@@ -40,7 +40,9 @@ class AugmentedBatch:
         targets: ``(M,)`` their labels.
         indices: ``(M,)`` their dataset indices.
         mask: ``(B,)`` which samples of the request were augmented (``M = mask.sum()``).
-        stats: the solver's per-sample diagnostics, when it ran.
+        stats: the solver's per-sample diagnostics of the freshly generated samples, when
+            it ran (reused cached samples have none).
+        reused: how many of the ``M`` came from the cache instead of the solver.
     """
 
     inputs: Tensor
@@ -48,6 +50,7 @@ class AugmentedBatch:
     indices: Tensor
     mask: Tensor
     stats: AttackStats | None = None
+    reused: int = 0
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])

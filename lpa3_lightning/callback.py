@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -13,7 +14,8 @@ from torch import Tensor, nn
 
 from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
-from lpa3_lightning.distributed import gather_predictions
+from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
+from lpa3_lightning.distributed import gather_predictions, gather_rows
 from lpa3_lightning.dual_bn import has_dual_bn
 from lpa3_lightning.features import resolve_layers
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
@@ -65,6 +67,11 @@ class LPA3Callback(Callback):
         tcs_initial_memory: ``"uniform"`` (a distribution; default) or ``"authors"`` (1.01).
         seed: seed of the solver's initial noise (reproducible runs); None draws from torch's
             global generator.
+        regenerate_every_n_epochs: ``K`` of the paper's appendix: a sample's ``x'`` is kept
+            and reused for ``K`` epochs before it is generated again (1: no cache).
+        cache_max_bytes: largest in-memory cache; beyond it a memory-mapped file is used.
+        cache_dir: folder of that file; None uses ``<trainer.default_root_dir>/lpa3_cache``.
+            Under DDP every rank holds the whole cache (new ``x'`` are all-gathered).
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -91,6 +98,9 @@ class LPA3Callback(Callback):
         tcs_divergence: Literal["code", "paper"] = "code",
         tcs_initial_memory: Literal["uniform", "authors"] = "uniform",
         seed: int | None = None,
+        regenerate_every_n_epochs: int = 1,
+        cache_max_bytes: int = DEFAULT_MAX_BYTES,
+        cache_dir: str | None = None,
     ) -> None:
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
@@ -127,6 +137,11 @@ class LPA3Callback(Callback):
         self.tcs_divergence = tcs_divergence
         self.tcs_initial_memory = tcs_initial_memory
         self.seed = seed
+        AugmentationCache(1, regenerate_every_n_epochs, cache_max_bytes)  # validates the cache arguments
+        self.regenerate_every_n_epochs = regenerate_every_n_epochs
+        self.cache_max_bytes = cache_max_bytes
+        self.cache_dir = cache_dir
+        self.cache: AugmentationCache | None = None
         self.tcs: TimeConsistency | None = None
         self._generator: torch.Generator | None = None
         self._generator_state: Tensor | None = None
@@ -195,6 +210,12 @@ class LPA3Callback(Callback):
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
             fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
         self.tcs = fresh
+        if self.regenerate_every_n_epochs > 1:
+            cache = AugmentationCache(num_samples, self.regenerate_every_n_epochs, self.cache_max_bytes,
+                                      self.cache_dir or Path(trainer.default_root_dir) / "lpa3_cache")
+            if self.cache is not None:
+                cache.load_state_dict(self.cache.state_dict())
+            self.cache = cache
 
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -205,7 +226,7 @@ class LPA3Callback(Callback):
         if trainer.current_epoch < self.warmup_epochs:
             return
         mask = self._select(request)
-        augmented = self._augment(pl_module, request, mask)
+        augmented = self._augment(trainer, pl_module, request, mask)
         pl_module.lpa3_set_augmented(augmented)
         self._log_batch(pl_module, request, augmented)
 
@@ -240,8 +261,26 @@ class LPA3Callback(Callback):
                 "lpa3_num_classes to the number of classes."
             )
 
-    def _augment(self, pl_module: pl.LightningModule, request: LPA3Request, mask: Tensor) -> AugmentedBatch:
+    def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
+                 mask: Tensor) -> AugmentedBatch:
         x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
+        epoch = trainer.current_epoch
+        reuse = self.cache.fresh(idx, epoch) if self.cache is not None else torch.zeros_like(mask[mask])
+        new = ~reuse
+        x_out, stats = x.detach().clone(), None
+        x_new = x[new]
+        self._last_solver_seconds = 0.0
+        if x_new.shape[0]:
+            x_new, stats = self._attack(pl_module, x_new, y[new])
+            x_out[new] = x_new
+        if bool(reuse.any()):
+            x_out[reuse] = self.cache.get(idx[reuse]).to(x.device, x.dtype)  # type: ignore[union-attr]
+        if self.cache is not None:  # collective under DDP: every rank stores every rank's new x'
+            all_idx, all_new = gather_rows(idx[new], x_new.detach())
+            self.cache.put(all_idx, all_new, epoch)
+        return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()))
+
+    def _attack(self, pl_module: pl.LightningModule, x: Tensor, y: Tensor) -> tuple[Tensor, Any]:
         model = pl_module.lpa3_model()
         bn_mode = self.attack_bn
         if bn_mode == "auto":
@@ -255,7 +294,7 @@ class LPA3Callback(Callback):
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
         self._last_solver_seconds = time.perf_counter() - start
-        return AugmentedBatch(inputs=x_adv, targets=y, indices=idx, mask=mask, stats=stats)
+        return x_adv, stats
 
     def _generator_for(self, x: Tensor) -> torch.Generator | None:
         if self.seed is None:
@@ -273,7 +312,10 @@ class LPA3Callback(Callback):
         pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
         pl_module.log("lpa3/nonfinite_inputs", float(self._nonfinite), on_step=False, on_epoch=True,
                       reduce_fx="sum", batch_size=n)
-        if len(augmented) and augmented.stats is not None:
+        if self.cache is not None and len(augmented):
+            pl_module.log("lpa3/reused_fraction", augmented.reused / len(augmented), on_step=True, on_epoch=True,
+                          batch_size=len(augmented))
+        if augmented.stats is not None and len(augmented.stats.preserved):
             stats = augmented.stats
             # per-sample statistics: averaged over the attacked samples, not the whole batch
             pl_module.log_dict({
@@ -322,7 +364,9 @@ class LPA3Callback(Callback):
     def state_dict(self) -> dict[str, Any]:
         generator_state = self._generator.get_state() if self._generator is not None else self._generator_state
         tcs_state = self.tcs.state_dict() if self.tcs is not None else None
-        return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state}
+        cache_state = self.cache.state_dict() if self.cache is not None else None
+        return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state,
+                "augmentation_cache": cache_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         tcs_state = state_dict.get("tcs")
@@ -336,3 +380,8 @@ class LPA3Callback(Callback):
             self.tcs.load_state_dict(tcs_state)
         self._generator_state = state_dict.get("generator_state")
         self._generator = None
+        cache_state = state_dict.get("augmentation_cache")  # absent in checkpoints of older versions
+        if cache_state is not None and self.regenerate_every_n_epochs > 1:
+            self.cache = AugmentationCache(int(cache_state["num_samples"]), self.regenerate_every_n_epochs,
+                                           self.cache_max_bytes)
+            self.cache.load_state_dict(cache_state)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["bytes_per_sample", "deduplicate_first", "gather_predictions", "is_distributed"]
+__all__ = ["bytes_per_sample", "deduplicate_first", "gather_predictions", "gather_rows", "is_distributed"]
 
 
 def is_distributed() -> bool:
@@ -88,3 +88,22 @@ def gather_predictions(
     all_targets = None if targets is None else _all_gather_padded(targets.to(device, torch.long), sizes)
     keep = deduplicate_first(all_indices)
     return all_indices[keep], all_probs[keep], None if all_targets is None else all_targets[keep]
+
+
+def gather_rows(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Every rank's ``(indices, rows)`` (e.g. freshly generated ``x'``), deduplicated.
+
+    Collective like :func:`gather_predictions`; ``rows`` must have the same trailing shape
+    on every rank (an empty ``(0, ...)`` tensor when a rank has none).
+    """
+    if not is_distributed():
+        return indices, rows
+    device = rows.device
+    size = torch.tensor([indices.shape[0]], device=device)
+    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes_t, size)
+    sizes = [int(s) for s in sizes_t]
+    all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
+    all_rows = _all_gather_padded(rows, sizes)
+    keep = deduplicate_first(all_indices)
+    return all_indices[keep], all_rows[keep]

@@ -166,28 +166,20 @@ def test_attack_through_the_twin_in_a_trainer(tmp_path):
     assert sum(module.seen_augmented) > 0
 
 
-def test_auto_attack_mode_picks_twin_only_when_present(tmp_path):
+def test_auto_attack_mode_picks_twin_only_when_present(tmp_path, monkeypatch):
+    import lpa3_lightning.callback as callback_module
+
     seen_modes = []
+    original = callback_module.lpa3_attack
 
-    class Spy(LPA3Callback):
-        def _augment(self, pl_module, request, mask):
-            import lpa3_lightning.callback as cb
+    def spy(*args, **kwargs):
+        seen_modes.append(kwargs["bn_mode"])
+        return original(*args, **kwargs)
 
-            original = cb.lpa3_attack
-
-            def spy(*args, **kwargs):
-                seen_modes.append(kwargs["bn_mode"])
-                return original(*args, **kwargs)
-
-            cb.lpa3_attack = spy
-            try:
-                return super()._augment(pl_module, request, mask)
-            finally:
-                cb.lpa3_attack = original
-
+    monkeypatch.setattr(callback_module, "lpa3_attack", spy)
     for twin in (True, False):
-        _trainer(tmp_path, [Spy(steps=1)], max_epochs=1, limit_train_batches=1).fit(TinyClassifier(twin_bn=twin),
-                                                                                 _loader())
+        _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1, limit_train_batches=1).fit(
+            TinyClassifier(twin_bn=twin), _loader())
     assert seen_modes == ["twin", "eval"]
 
 
@@ -439,3 +431,75 @@ def test_gradient_accumulation_attacks_and_tracks_every_micro_batch(tmp_path):
     trainer.fit(module, _loader())
     assert len(module.seen_augmented) == 6 and module.seen_augmented[:3] == [16, 16, 16]
     assert bool(callback.tcs.seen.all()) and callback.tcs.has_threshold
+
+
+# ------------------------------------------------------------------- cached augmentations
+class RecordsAugmented(TinyClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: dict[int, list[torch.Tensor]] = {}
+
+    def training_step(self, batch, batch_idx):
+        augmented = self._lpa3_augmented
+        if augmented is not None:
+            for i, x_adv in zip(augmented.indices.tolist(), augmented.inputs):
+                self.received.setdefault(i, []).append(x_adv.clone())
+        return super().training_step(batch, batch_idx)
+
+
+def test_regenerate_every_n_epochs_reuses_x_prime(tmp_path, monkeypatch):
+    import lpa3_lightning.callback as callback_module
+
+    attacked: list[int] = []
+    original = callback_module.lpa3_attack
+
+    def counting(model, x, y, **kwargs):
+        attacked.append(x.shape[0])
+        return original(model, x, y, **kwargs)
+
+    monkeypatch.setattr(callback_module, "lpa3_attack", counting)
+    pl.seed_everything(0)
+    module = RecordsAugmented()
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=3)
+    trainer = _trainer(tmp_path, [callback], max_epochs=4)
+    trainer.fit(module, _loader())
+    # ratio 1: every sample selected every epoch; attacked in epochs 0 and 3 only
+    assert sum(attacked) == 2 * 48
+    for received in module.received.values():
+        assert len(received) == 4
+        assert torch.equal(received[0], received[1]) and torch.equal(received[1], received[2])
+        assert not torch.equal(received[2], received[3])
+    assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) == 0.0  # epoch 3 regenerated all
+    ckpt = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)["callbacks"]["LPA3Callback"]["augmentation_cache"]
+    assert torch.equal(state["storage"], callback.cache.storage) and int(state["written"].min()) == 3
+
+
+def test_cache_is_restored_on_resume(tmp_path):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=5)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    ckpt = tmp_path / "e1.ckpt"
+    trainer.save_checkpoint(ckpt)
+    module = RecordsAugmented()
+    resumed = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=5)
+    _trainer(tmp_path, [resumed], max_epochs=2).fit(module, _loader(), ckpt_path=ckpt)
+    # epoch 1 after resume: every x' comes from the restored cache
+    for i, received in module.received.items():
+        assert torch.equal(received[0], callback.cache.get(torch.tensor([i]))[0])
+
+
+def test_old_checkpoint_without_cache_state_still_loads():
+    callback = LPA3Callback(regenerate_every_n_epochs=4)
+    callback.load_state_dict({"version": 1, "tcs": None, "generator_state": None})
+    assert callback.cache is None and callback.tcs is None
+
+
+def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
+    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=2, cache_max_bytes=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    assert callback.cache.file is not None and callback.cache.file.parent == tmp_path / "lpa3_cache"
+    assert callback.cache.file.stat().st_size == 48 * 28 * 28 * 4

@@ -83,12 +83,16 @@ def test_memory_identical_on_both_ranks_and_selection_equals_single_process(tmp_
     assert torch.equal(saved["memory"], rank1["tcs"]["memory"])
 
 
-def test_supervised_mixin_with_twin_bn_under_ddp(tmp_path):
+def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(tmp_path):
     rank0, rank1 = _launch(tmp_path, "supervised")
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
     for key in rank0["params"]:  # DDP kept the replicas equal, twins included
         assert torch.equal(rank0["params"][key], rank1["params"][key]) or "running" in key or "tracked" in key, key
     assert sum(int(m.sum()) for _, m in rank0["steps"]) > 0
+    # the x' cache is synced: both ranks hold every rank's x'
+    for key in ("written", "storage"):
+        assert torch.equal(rank0["cache"][key], rank1["cache"][key]), key
+    assert int((rank0["cache"]["written"] >= 0).sum()) > PER_RANK_BATCH * 2
 
 
 def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path):

@@ -1,6 +1,8 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
-    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1} [extra]
+    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1}
+
+'supervised' also caches x' (regenerate_every_n_epochs=2).
 
 Lightning's "ddp" strategy starts the second process by running this script again. Each
 rank writes ``OUT_DIR/rank{R}.pt`` with its TCS state and every step's (indices, mask); rank 0
@@ -70,7 +72,8 @@ class Recording(LPA3Callback):
 def main(out: Path, mode: str) -> None:
     pl.seed_everything(0)
     module = IgnoresAugmentation() if mode == "ignore_aug" else TinyClassifier(twin_bn=True)
-    callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None)
+    callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None,
+                         regenerate_every_n_epochs=2 if mode == "supervised" else 1)
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
@@ -78,6 +81,7 @@ def main(out: Path, mode: str) -> None:
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "final.ckpt")
     torch.save({"tcs": callback.tcs.state_dict(), "steps": callback.record,
+                "cache": None if callback.cache is None else callback.cache.state_dict(),
                 "params": {k: v.detach().clone() for k, v in module.state_dict().items()}},
                out / f"rank{trainer.global_rank}.pt")
 

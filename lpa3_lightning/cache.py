@@ -1,0 +1,148 @@
+"""Cached hard positives, reused between regenerations (paper appendix, "every K epochs").
+
+Generating ``x'`` costs ``T`` forward+backward passes per sample. The authors' appendix
+regenerates ``x'`` only every ``K`` epochs and trains on the stored copy in between; ``K = 10``
+or ``100`` keeps the accuracy of ``K = 1`` at a fraction of the time. Here each sample's ``x'``
+expires ``K`` epochs after it was written, so every sample is attacked at most once per
+``K`` epochs whenever it is selected.
+
+The store is one tensor indexed by dataset index, allocated at the first write: in memory
+when it fits in ``max_bytes``, else in a memory-mapped file under ``directory`` (for large
+data sets); without a directory an over-large cache is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["AugmentationCache"]
+
+_STATE_VERSION = 1
+DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB in memory before a file is needed
+
+
+class AugmentationCache:
+    """Per-sample store of ``x'`` with the epoch it was generated in.
+
+    Args:
+        num_samples: training-set size (dataset indices ``0..num_samples-1``).
+        every_n_epochs: ``K``; an entry written in epoch ``e`` is reused until epoch ``e + K - 1``.
+        max_bytes: largest in-memory store; beyond it a file under ``directory`` is used.
+        directory: folder for the memory-mapped store (created when needed).
+
+    Raises:
+        ValueError: on a bad argument, or (at the first write) a store larger than
+            ``max_bytes`` with no ``directory``.
+
+    Example:
+        >>> cache = AugmentationCache(num_samples=4, every_n_epochs=2)
+        >>> cache.put(torch.tensor([1, 3]), torch.ones(2, 5), epoch=0)
+        >>> cache.fresh(torch.tensor([0, 1, 3]), epoch=1).tolist()
+        [False, True, True]
+        >>> cache.fresh(torch.tensor([1]), epoch=2).tolist()
+        [False]
+    """
+
+    def __init__(self, num_samples: int, every_n_epochs: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                 directory: str | Path | None = None) -> None:
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"`num_samples` must be a positive int, got {num_samples!r}.")
+        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
+            raise ValueError(f"`regenerate_every_n_epochs` must be an int >= 1, got {every_n_epochs!r}. "
+                             "Fix: use 1 (no reuse) or e.g. 10 (the paper's appendix).")
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"`cache_max_bytes` must be an int >= 0, got {max_bytes!r}.")
+        self.num_samples = num_samples
+        self.every_n_epochs = every_n_epochs
+        self.max_bytes = max_bytes
+        self.directory = None if directory is None else Path(directory)
+        self.storage: Tensor | None = None
+        self.file: Path | None = None
+        self.written = torch.full((num_samples,), -1, dtype=torch.long)  # epoch of the entry, -1: none
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.storage is None else self.storage.numel() * self.storage.element_size()
+
+    def _allocate(self, sample_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        numel = self.num_samples * math.prod(sample_shape)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes <= self.max_bytes:
+            self.storage = torch.zeros((self.num_samples, *sample_shape), dtype=dtype)
+            return
+        if self.directory is None:
+            raise ValueError(
+                f"Caching x' for {self.num_samples} samples of shape {sample_shape} needs {nbytes / 2**20:.1f} MiB, "
+                f"more than cache_max_bytes={self.max_bytes}. Fix: pass `cache_dir=` for a memory-mapped file, or "
+                "raise `cache_max_bytes`."
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.file = self.directory / "lpa3_augmentation_cache.bin"
+        flat = torch.from_file(str(self.file), shared=True, size=numel, dtype=dtype)
+        self.storage = flat.view(self.num_samples, *sample_shape)
+
+    def _check_indices(self, indices: Tensor) -> Tensor:
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_samples):
+            raise ValueError(f"Cache indices out of range [0, {self.num_samples}).")
+        return indices.cpu().long()
+
+    def fresh(self, indices: Tensor, epoch: int) -> Tensor:
+        """Which of ``indices`` have an entry young enough to reuse in ``epoch``."""
+        written = self.written[self._check_indices(indices)]
+        return ((written >= 0) & (epoch - written < self.every_n_epochs)).to(indices.device)
+
+    def get(self, indices: Tensor) -> Tensor:
+        """The stored ``x'`` of ``indices`` (CPU); only valid for entries reported fresh."""
+        if self.storage is None:
+            raise RuntimeError("The augmentation cache is empty.")
+        return self.storage[self._check_indices(indices)]
+
+    def put(self, indices: Tensor, inputs: Tensor, epoch: int) -> None:
+        """Store ``x'`` for ``indices`` as generated in ``epoch``."""
+        if indices.numel() == 0:
+            return
+        idx = self._check_indices(indices)
+        if self.storage is None:
+            self._allocate(tuple(inputs.shape[1:]), inputs.dtype)
+        self.storage[idx] = inputs.detach().to("cpu", self.storage.dtype)  # type: ignore[index]
+        self.written[idx] = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """In-memory stores travel in the checkpoint; a file store is flushed and referenced."""
+        in_memory = self.storage is not None and self.file is None
+        return {
+            "version": _STATE_VERSION,
+            "num_samples": self.num_samples,
+            "written": self.written.clone(),
+            "storage": self.storage.clone() if in_memory else None,
+            "file": None if self.file is None else str(self.file),
+            "shape": None if self.storage is None else tuple(self.storage.shape[1:]),
+            "dtype": None if self.storage is None else str(self.storage.dtype).removeprefix("torch."),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_samples") != self.num_samples:
+            raise ValueError(
+                f"The checkpointed augmentation cache is for {state.get('num_samples')} samples, this training set "
+                f"has {self.num_samples}. Fix: resume with the same training data."
+            )
+        self.written = state["written"].clone()
+        if state.get("storage") is not None:
+            self.storage, self.file = state["storage"].clone(), None
+        elif state.get("file") is not None:
+            path = Path(state["file"])
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"The augmentation cache file {path} named in the checkpoint is missing. Fix: restore it, or "
+                    "start the cache afresh with `regenerate_every_n_epochs` entries regenerated (delete the "
+                    "'augmentation_cache' entry of the callback state)."
+                )
+            dtype = getattr(torch, state["dtype"])
+            shape = tuple(state["shape"])
+            flat = torch.from_file(str(path), shared=True, size=self.num_samples * math.prod(shape), dtype=dtype)
+            self.storage, self.file = flat.view(self.num_samples, *shape), path

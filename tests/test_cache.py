@@ -1,0 +1,62 @@
+"""AugmentationCache: expiry after K epochs, memory bound, memory-mapped store, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lpa3_lightning.cache import AugmentationCache
+
+
+def test_entries_expire_after_k_epochs():
+    cache = AugmentationCache(5, every_n_epochs=3)
+    cache.put(torch.tensor([0, 2]), torch.arange(8.0).view(2, 4), epoch=1)
+    assert cache.fresh(torch.tensor([0, 1, 2]), epoch=1).tolist() == [True, False, True]
+    assert cache.fresh(torch.tensor([0, 2]), epoch=3).tolist() == [True, True]
+    assert cache.fresh(torch.tensor([0, 2]), epoch=4).tolist() == [False, False]
+    assert torch.equal(cache.get(torch.tensor([2])), torch.arange(4.0, 8.0).view(1, 4))
+    cache.put(torch.tensor([2]), torch.zeros(1, 4), epoch=4)  # regenerated: young again
+    assert cache.fresh(torch.tensor([2]), epoch=6).tolist() == [True]
+
+
+def test_in_memory_up_to_the_bound_then_refused_without_a_directory():
+    small = AugmentationCache(10, 2, max_bytes=10 * 4 * 4)
+    small.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)
+    assert small.file is None and small.nbytes == 160
+    too_big = AugmentationCache(10, 2, max_bytes=100)
+    with pytest.raises(ValueError, match="cache_dir"):
+        too_big.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)
+
+
+def test_memory_mapped_store_and_its_state(tmp_path):
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "c")
+    x = torch.randn(3, 2, 3)
+    cache.put(torch.tensor([5, 0, 2]), x, epoch=0)
+    assert cache.file is not None and cache.file.exists()
+    assert cache.file.stat().st_size == 6 * 6 * 4
+    state = cache.state_dict()
+    assert state["storage"] is None and state["file"] == str(cache.file)
+    restored = AugmentationCache(6, 2, max_bytes=0)
+    restored.load_state_dict(state)
+    assert torch.equal(restored.get(torch.tensor([5, 0, 2])), x)
+    assert restored.fresh(torch.tensor([0, 1]), epoch=1).tolist() == [True, False]
+    cache.file.unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        AugmentationCache(6, 2).load_state_dict(state)
+
+
+def test_in_memory_state_round_trip_and_size_check():
+    cache = AugmentationCache(4, 2)
+    cache.put(torch.tensor([3]), torch.full((1, 2), 7.0), epoch=2)
+    restored = AugmentationCache(4, 2)
+    restored.load_state_dict(cache.state_dict())
+    assert torch.equal(restored.get(torch.tensor([3])), torch.full((1, 2), 7.0))
+    with pytest.raises(ValueError, match="same training data"):
+        AugmentationCache(5, 2).load_state_dict(cache.state_dict())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"every_n_epochs": 0}, "regenerate_every_n_epochs"),
+                                                ({"every_n_epochs": 2, "max_bytes": -1}, "cache_max_bytes")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AugmentationCache(4, **kwargs)
