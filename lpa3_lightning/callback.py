@@ -27,6 +27,19 @@ __all__ = ["LPA3Callback"]
 _STATE_VERSION = 1
 
 
+def _global_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_global_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class LPA3Callback(Callback):
     r"""Generate LP-A3 hard positives for the least time-consistent samples of each batch.
 
@@ -72,6 +85,9 @@ class LPA3Callback(Callback):
         cache_max_bytes: largest in-memory cache; beyond it a memory-mapped file is used.
         cache_dir: folder of that file; None uses ``<trainer.default_root_dir>/lpa3_cache``.
             Under DDP every rank holds the whole cache (new ``x'`` are all-gathered).
+        restore_rng: save torch's global random state (CPU and CUDA) with the callback's state
+            and restore it on resume, so that a resumed run continues the same random stream
+            (needed for a bitwise-equal resume; Lightning does not checkpoint it).
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -101,6 +117,7 @@ class LPA3Callback(Callback):
         regenerate_every_n_epochs: int = 1,
         cache_max_bytes: int = DEFAULT_MAX_BYTES,
         cache_dir: str | None = None,
+        restore_rng: bool = True,
     ) -> None:
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
@@ -147,6 +164,8 @@ class LPA3Callback(Callback):
         self._generator_state: Tensor | None = None
         self._resolved_range: InputRange = None
         self._nonfinite = 0
+        self._rng_to_restore: dict[str, Any] | None = None
+        self.restore_rng = restore_rng
 
     @property
     def state_key(self) -> str:
@@ -198,6 +217,11 @@ class LPA3Callback(Callback):
             ) from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rng_to_restore is not None and self.restore_rng:
+            # Dropout, random transforms and un-seeded attacks continue the interrupted run's
+            # random stream, so a resumed run equals an uninterrupted one.
+            _set_global_rng_state(self._rng_to_restore)
+        self._rng_to_restore = None
         num_classes = getattr(pl_module, "lpa3_num_classes", None)
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(
@@ -366,7 +390,7 @@ class LPA3Callback(Callback):
         tcs_state = self.tcs.state_dict() if self.tcs is not None else None
         cache_state = self.cache.state_dict() if self.cache is not None else None
         return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state,
-                "augmentation_cache": cache_state}
+                "augmentation_cache": cache_state, "global_rng": _global_rng_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         tcs_state = state_dict.get("tcs")
@@ -380,6 +404,8 @@ class LPA3Callback(Callback):
             self.tcs.load_state_dict(tcs_state)
         self._generator_state = state_dict.get("generator_state")
         self._generator = None
+        # Applied in on_train_start, after the model was built (which draws random numbers).
+        self._rng_to_restore = state_dict.get("global_rng")
         cache_state = state_dict.get("augmentation_cache")  # absent in checkpoints of older versions
         if cache_state is not None and self.regenerate_every_n_epochs > 1:
             self.cache = AugmentationCache(int(cache_state["num_samples"]), self.regenerate_every_n_epochs,

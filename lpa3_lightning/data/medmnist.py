@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from lpa3_lightning.data.indexed import IndexedDataset, to_class_label
+from lpa3_lightning.data.resumable import ResumableDataLoader
 
 __all__ = ["EMBEDDED_DATA_DIR", "MedMNISTDataModule", "SUPPORTED_FLAGS"]
 
@@ -95,6 +96,10 @@ class MedMNISTDataModule(pl.LightningDataModule):
         randaugment_num_ops: Number of RandAugment operations per image.
         randaugment_magnitude: RandAugment magnitude, in ``[0, 30]``.
         pin_memory: Passed to every ``DataLoader``.
+        resumable: Train with :class:`ResumableDataLoader` (a ``(seed, epoch)`` shuffle that
+            resumes mid-epoch exactly after a crash); one process only, since under DDP
+            Lightning injects its own DistributedSampler into a plain loader.
+        seed: Shuffle seed of the resumable loader.
 
     Raises:
         ValueError: For an unknown, 3D or multi-label flag, or an argument
@@ -118,6 +123,8 @@ class MedMNISTDataModule(pl.LightningDataModule):
         randaugment_num_ops: int = 3,
         randaugment_magnitude: int = 5,
         pin_memory: bool = False,
+        resumable: bool = False,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self._validate_flag(flag)
@@ -159,6 +166,8 @@ class MedMNISTDataModule(pl.LightningDataModule):
         self.randaugment_num_ops = randaugment_num_ops
         self.randaugment_magnitude = randaugment_magnitude
         self.pin_memory = bool(pin_memory)
+        self.resumable = bool(resumable)
+        self.seed = seed
         self._root_is_embedded = root is None
 
         self.train_dataset: IndexedDataset | None = None
@@ -277,7 +286,12 @@ class MedMNISTDataModule(pl.LightningDataModule):
             self.test_dataset = self._build_split("test", self.eval_transform())
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._require(self.train_dataset, "train", "fit"), self.batch_size, shuffle=True)
+        dataset = self._require(self.train_dataset, "train", "fit")
+        if self.resumable:
+            return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=True, seed=self.seed,
+                                       num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                       persistent_workers=self.num_workers > 0)
+        return self._loader(dataset, self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._require(self.val_dataset, "val", "fit"), self.eval_batch_size, shuffle=False)
