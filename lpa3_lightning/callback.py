@@ -16,7 +16,7 @@ from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attac
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
 from lpa3_lightning.distributed import gather_predictions, gather_rows
-from lpa3_lightning.dual_bn import has_dual_bn
+from lpa3_lightning.dual_bn import DualSyncBatchNorm, has_dual_bn
 from lpa3_lightning.features import resolve_layers
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
 from lpa3_lightning.selection import check_ratio
@@ -185,16 +185,26 @@ class LPA3Callback(Callback):
                 "see the README section 'Use it in your own LightningModule'."
             )
         model = pl_module.lpa3_model()
-        if any(isinstance(m, nn.SyncBatchNorm) and hasattr(m, "twin") for m in model.modules()):
-            raise ValueError(
-                "The model has SyncBatchNorm layers that replaced twin BatchNorms (their twins are no longer "
-                "used). Fix: do not combine `sync_batchnorm=True` / convert_sync_batchnorm with convert_dual_bn yet."
-            )
         resolve_layers(model, self.layers)  # fails early, listing the available layer names
         if self.attack_bn == "twin" and not has_dual_bn(model):
             raise ValueError("`attack_bn='twin'` needs twin BatchNorms in the model. Fix: call "
                              "`convert_dual_bn(model)` in the module, or use attack_bn='eval'.")
         self._resolved_range = self._resolve_range(trainer)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the strategy's setup: Trainer(sync_batchnorm=True) converts BN only now.
+        self._refuse_dropped_twins(pl_module.lpa3_model())
+
+    @staticmethod
+    def _refuse_dropped_twins(model: nn.Module) -> None:
+        if any(isinstance(m, nn.SyncBatchNorm) and not isinstance(m, DualSyncBatchNorm) and hasattr(m, "twin")
+               for m in model.modules()):
+            raise ValueError(
+                "SyncBatchNorm replaced the model's twin BatchNorms (Trainer(sync_batchnorm=True) converts after "
+                "the module converted its BN), so x' would go through the synced main BN. Fix: drop "
+                "`sync_batchnorm=True` and call `nn.SyncBatchNorm.convert_sync_batchnorm(model)` before "
+                "`convert_dual_bn(model)` in the module."
+            )
 
     def _resolve_range(self, trainer: pl.Trainer) -> InputRange:
         if self.input_range != "auto":
@@ -382,7 +392,7 @@ class LPA3Callback(Callback):
             return
         self.tcs.refresh_threshold()
         if self.tcs.has_threshold:
-            pl_module.log("lpa3/threshold", float(self.tcs.threshold))
+            pl_module.log("lpa3/threshold", float(self.tcs.threshold), sync_dist=True)  # equal on every rank
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "convert_dual_bn", "has_dual_bn", "twin_parameters", "use_twin_bn"]
+__all__ = ["DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm", "convert_dual_bn", "has_dual_bn", "twin_parameters", "use_twin_bn"]
 
 #: The authors' momentum for the twin BN's running statistics.
 TWIN_MOMENTUM = 0.01
@@ -102,14 +102,36 @@ class DualBatchNorm3d(_DualBatchNormMixin, nn.BatchNorm3d):
     """BatchNorm3d with a twin for augmented samples (see module docstring)."""
 
 
-_DUAL_OF = {nn.BatchNorm1d: DualBatchNorm1d, nn.BatchNorm2d: DualBatchNorm2d, nn.BatchNorm3d: DualBatchNorm3d}
+class LocalBatchNorm(_BatchNorm):
+    """A plain (per-process) BatchNorm for inputs of any rank >= 2: the twin of a SyncBatchNorm."""
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
+
+class DualSyncBatchNorm(_DualBatchNormMixin, nn.SyncBatchNorm):
+    """SyncBatchNorm (main, synced across processes) with a local twin for augmented samples.
+
+    The twin never synchronises: ranks hold different numbers of augmented samples (some
+    none at all), and a collective inside their forward would deadlock.
+    """
+
+
+_DUAL_OF = {nn.BatchNorm1d: DualBatchNorm1d, nn.BatchNorm2d: DualBatchNorm2d, nn.BatchNorm3d: DualBatchNorm3d,
+            nn.SyncBatchNorm: DualSyncBatchNorm}
 _DUAL_TYPES = tuple(_DUAL_OF.values())
 
 
 def _make_dual(bn: _BatchNorm, twin_momentum: float) -> _DualBatchNormMixin:
     cls = _DUAL_OF[type(bn)]
-    dual = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
-    twin = copy.deepcopy(bn)  # same start as the main BN (fresh when training from scratch)
+    if isinstance(bn, nn.SyncBatchNorm):
+        dual = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, bn.process_group)
+        twin = LocalBatchNorm(bn.num_features, bn.eps, twin_momentum, bn.affine, bn.track_running_stats)
+        twin.load_state_dict(bn.state_dict())
+    else:
+        dual = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        twin = copy.deepcopy(bn)  # same start as the main BN (fresh when training from scratch)
     twin.momentum = twin_momentum
     dual._init_twin(twin)
     dual.load_state_dict(bn.state_dict())  # the main BN keeps its state exactly
@@ -121,12 +143,14 @@ def _make_dual(bn: _BatchNorm, twin_momentum: float) -> _DualBatchNormMixin:
 
 
 def convert_dual_bn(model: nn.Module, twin_momentum: float = TWIN_MOMENTUM) -> nn.Module:
-    """Give every BatchNorm1d/2d/3d of ``model`` a twin for augmented samples, in place.
+    """Give every BatchNorm1d/2d/3d and SyncBatchNorm of ``model`` a twin for augmented samples, in place.
 
-    Subclasses of the BatchNorm classes (e.g. SyncBatchNorm) are left alone, and
-    ``SyncBatchNorm.convert_sync_batchnorm`` would drop the twins again: SyncBatchNorm is not
-    supported yet. Already converted layers are skipped, so calling twice is safe. Convert
-    before the optimizer is created: the new layers have new Parameter objects.
+    ``SyncBatchNorm`` layers become :class:`DualSyncBatchNorm` (synced main, local twin): for
+    synced BN call ``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` *before* this function,
+    not ``Trainer(sync_batchnorm=True)``, which converts afterwards and would drop the twins
+    (LPA3Callback refuses that combination). Other BatchNorm subclasses are left alone.
+    Already converted layers are skipped, so calling twice is safe. Convert before the
+    optimizer is created: the new layers have new Parameter objects.
 
     Args:
         model: any network.

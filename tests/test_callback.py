@@ -503,3 +503,11 @@ def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
     trainer.fit(TinyClassifier(), _loader())
     assert callback.cache.file is not None and callback.cache.file.parent == tmp_path / "lpa3_cache"
     assert callback.cache.file.stat().st_size == 48 * 28 * 28 * 4
+
+
+def test_sync_batchnorm_converted_before_the_twins_trains(tmp_path):
+    module = TinyClassifier(twin_bn=False)
+    module.model = convert_dual_bn(nn.SyncBatchNorm.convert_sync_batchnorm(small_cnn()))
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    trainer.fit(module, _loader())
+    assert sum(module.seen_augmented) == 48

@@ -117,11 +117,14 @@ def test_convert_root_batchnorm_returns_new_module() -> None:
     assert has_dual_bn(dual)
 
 
-def test_convert_leaves_syncbatchnorm_alone() -> None:
-    model = nn.Sequential(nn.SyncBatchNorm(3))
+def test_convert_gives_syncbatchnorm_a_twin_and_leaves_other_subclasses_alone() -> None:
+    class MyBN(nn.BatchNorm2d):
+        pass
+
+    model = nn.Sequential(nn.SyncBatchNorm(3), MyBN(3))
     convert_dual_bn(model)
-    assert type(model[0]) is nn.SyncBatchNorm
-    assert not has_dual_bn(model)
+    assert type(model[0]).__name__ == "DualSyncBatchNorm" and type(model[1]) is MyBN
+    assert has_dual_bn(model)
 
 
 @pytest.mark.parametrize("momentum", [0.0, -0.1, 1.5])
@@ -361,3 +364,24 @@ def test_use_twin_bn_1d_and_3d() -> None:
             o3 = model["b3"](torch.randn(2, 5, 2, 2, 2))
     torch.testing.assert_close(o1.mean(0), torch.full((3,), 10.0), atol=1e-4, rtol=0)
     torch.testing.assert_close(o3.mean(dim=(0, 2, 3, 4)), torch.full((5,), -10.0), atol=1e-4, rtol=0)
+
+
+def test_sync_batchnorm_gets_a_local_twin_and_trains_in_one_process():
+    from lpa3_lightning.dual_bn import DualSyncBatchNorm, LocalBatchNorm
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    net(torch.randn(2, 1, 8, 8))
+    plain_state = {k: v.clone() for k, v in net.state_dict().items()}
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    convert_dual_bn(net)
+    assert isinstance(net[1], DualSyncBatchNorm) and isinstance(net[1].twin, LocalBatchNorm)
+    net.load_state_dict(plain_state)  # a plain checkpoint still loads strictly
+    net.train()
+    main_before = net[1].running_mean.clone()
+    with use_twin_bn(net):
+        net(torch.randn(4, 1, 8, 8)).sum().backward()
+    assert torch.equal(net[1].running_mean, main_before)  # only the twin moved
+    assert net[1].twin.weight.grad is not None and net[1].weight.grad is None
+    with pytest.raises(ValueError, match="at least 2D"):
+        net[1].twin(torch.randn(4))
