@@ -1,0 +1,152 @@
+"""Solver speed: lpa3_attack against a direct transcription of the authors' loop.
+
+    python benchmarks/solver_speed.py [--repeats 5] [--data ../shared/data]
+
+Same model, batch and initial noise, one process, median of repeated runs, on ResNet-18
+(MedMNIST stem, 1x28x28, batch 64, briefly trained on BreastMNIST) and WRN-28-2 (3x32x32,
+batch 64, briefly trained on MNIST-5k digits padded to 32 px and repeated over 3 channels).
+Prints per solver: median seconds, speed-up over the authors' loop, the largest difference of
+x' from the authors' (project=False must match), the fraction of samples whose label is
+preserved (log p(y|x') >= log p(y|x) - sigma) and the mean perceptual distance.
+
+The transcription follows METHOD.md, written here: loss.backward() through every parameter
+(filling .grad, zeroed each step) and a finite-difference forward at every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lpa3_lightning import lpa3_attack  # noqa: E402
+from lpa3_lightning.attack import _label_logp  # noqa: E402
+from lpa3_lightning.features import PerceptualFeatures  # noqa: E402
+from lpa3_lightning.models import medmnist_resnet, wrn28_2  # noqa: E402
+
+SIGMA = 0.02
+
+
+def authors_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor, low: float, high: float,
+                 sigma: float = SIGMA, steps: int = 5, lam: float = 1.0) -> torch.Tensor:
+    """METHOD.md's loop as the authors' code runs it (backward through the parameters)."""
+    feats = PerceptualFeatures(model)
+    with torch.no_grad():
+        logits0, phi0 = feats(x)
+        logp0 = _label_logp(logits0, y, 1.0)
+    delta = (x + (2 * noise - 1) * 0.01).clamp(low, high) - x
+    for t in range(steps):
+        step = sigma * 0.1 ** (t / steps)
+        lam_t = lam * 0.1 ** (1 - t / steps)
+        delta = delta.detach().requires_grad_(True)
+        logits, phi = feats(x + delta)
+        logp = _label_logp(logits, y, 1.0)
+        loss = -(phi - phi0).norm(dim=1).mean() + lam_t * F.relu(logp0 - logp - sigma).mean()
+        model.zero_grad()
+        loss.backward()
+        g = delta.grad
+        g_hat = g / (g.flatten(1).norm(dim=1).view(-1, *[1] * (x.dim() - 1)) + 1e-8)
+        with torch.no_grad():
+            logp_fd = _label_logp(model(x + delta - 0.1 * g_hat), y, 1.0)
+            slope = (logp.detach() - logp_fd).abs() / 0.1
+            delta = (x + delta - g_hat * (step / (slope + 1e-4)).view(-1, *[1] * (x.dim() - 1))).clamp(low, high) - x
+    model.zero_grad(set_to_none=True)
+    return (x + delta).detach()
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (64,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    model.eval()
+
+
+def _data(root: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    breast = np.load(root / "medmnist" / "breastmnist.npz")
+    xb = torch.from_numpy(breast["train_images"]).float().div(255).sub(0.5).div(0.5)[:, None]
+    yb = torch.from_numpy(breast["train_labels"]).long().flatten()
+    digits = np.load(root / "mnist5k" / "mnist5k.npz")
+    xd = torch.from_numpy(digits["images"]).float().div(255).sub(0.5).div(0.5)[:, None]
+    xd = F.pad(xd, (2, 2, 2, 2), value=-1.0).repeat(1, 3, 1, 1)
+    yd = torch.from_numpy(digits["labels"]).long()
+    return {"resnet18": (xb, yb), "wrn28_2": (xd, yd)}
+
+
+def _time(fn, repeats: int) -> tuple[float, torch.Tensor, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out  # type: ignore[return-value]
+
+
+def _quality(model: nn.Module, x: torch.Tensor, y: torch.Tensor, x_adv: torch.Tensor) -> tuple[float, float]:
+    feats = PerceptualFeatures(model)
+    with torch.no_grad():
+        logits0, phi0 = feats(x)
+        logits1, phi1 = feats(x_adv)
+    drop = _label_logp(logits0, y, 1.0) - _label_logp(logits1, y, 1.0)
+    return float((drop <= SIGMA + 1e-6).float().mean()), float((phi1 - phi0).norm(dim=1).mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", default=None, help="run only solvers whose label contains this (and the authors')")
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
+    args = parser.parse_args()
+    if not (args.data / "medmnist" / "breastmnist.npz").exists():
+        sys.exit(f"data not found under {args.data}: pass --data <folder with medmnist/ and mnist5k/>")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; median of "
+          f"{args.repeats} runs; sigma {SIGMA}, 5 steps, batch 64, models in eval mode")
+    data = _data(args.data)
+    builders = {"resnet18": lambda: medmnist_resnet("resnet18", 1, 2), "wrn28_2": lambda: wrn28_2(10)}
+    for name, build in builders.items():
+        model = build()
+        x_all, y_all = data[name]
+        _train(model, x_all, y_all, args.train_steps)
+        x, y = x_all[:64], y_all[:64]
+        noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
+        low, high = -1.0, 1.0
+
+        def ours(**kwargs):
+            return lpa3_attack(model, x, y, sigma=SIGMA, input_range=(low, high),
+                               generator=torch.Generator().manual_seed(1), **kwargs)
+
+        runs = {
+            "authors' loop (transcription)": lambda: authors_loop(model, x, y, noise, low, high),
+            "lpa3_attack(project=False)": lambda: ours(project=False),
+            "lpa3_attack() default": lambda: ours(),
+            "lpa3_attack(fast=True)": lambda: ours(fast=True),
+        }
+        results = {label: _time(fn, args.repeats) for label, fn in runs.items() if args.only is None or args.only in label or "authors" in label}
+        base_t, base_x = results["authors' loop (transcription)"]
+        print(f"\n{name}: input {tuple(x.shape)}")
+        print(f"{'solver':32} {'median s':>9} {'speed-up':>9} {'max|dx| vs authors':>19} {'preserved':>10} "
+              f"{'feat dist':>10}")
+        for label, (t, x_adv) in results.items():
+            preserved, dist = _quality(model, x, y, x_adv)
+            diff = float((x_adv - base_x).abs().max())
+            print(f"{label:32} {t:9.3f} {base_t / t:8.2f}x {diff:19.2e} {preserved:10.3f} {dist:10.4f}")
+
+
+if __name__ == "__main__":
+    main()
