@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.dual_bn import has_dual_bn, use_twin_bn
-from lpa3_lightning.features import PerceptualFeatures
+from lpa3_lightning.features import PerceptualFeatures, unwrap_compiled
 
 __all__ = ["AttackStats", "InputRange", "check_solver_arguments", "lpa3_attack", "resolve_input_range"]
 
@@ -239,13 +239,13 @@ def lpa3_attack(
             which couples the samples and breaks a per-sample guarantee). Either way no
             running statistic moves and each sample's constraint is checked exactly.
         logits_fn: maps the model's output to logits (dict / tuple / dataclass outputs).
-        fast: cheaper solver (not the authors'): after the first step the slope of ``log p``
-            comes from the secant over the previous step instead of an extra forward, and
-            with ``project=True`` the constraint is kept by returning, per sample, the
-            farthest feasible iterate met (the start ``x + noise``, every step, the end; ``x``
-            itself if none is feasible) instead of a bisection: ``steps + 2`` forwards and
-            ``steps`` input-gradient backwards in all, against ``2 * steps + 1`` forwards and
-            ``steps`` full backwards for the authors' loop.
+        fast: cheaper solver (not the authors'): the finite-difference slope of ``log p`` is
+            measured at the first step only and reused by the later ones (no extra forward
+            after step 0), and with ``project=True`` the constraint is kept by returning, per
+            sample, the farthest feasible iterate met (every step and the end; ``x`` itself
+            if none is feasible) instead of a bisection: ``steps + 3`` forwards and ``steps``
+            input-gradient backwards, against ``2 * steps + 1`` forwards and ``steps`` full
+            backwards for the authors' loop.
         return_stats: also return :class:`AttackStats`.
 
     Returns:
@@ -267,7 +267,7 @@ def lpa3_attack(
     _check_arguments(model, x, y, sigma, steps, lam, temperature, bn_mode)
     # A torch.compile'd module: attack its eager original, whose submodules take forward
     # hooks (the compiled graph would not call hooks registered after compilation).
-    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+    model = unwrap_compiled(model)
     if isinstance(bisection_steps, bool) or not isinstance(bisection_steps, int) or bisection_steps < 1:
         raise ValueError(f"`bisection_steps` must be an int >= 1, got {bisection_steps!r}. Fix: use 8.")
     y = y.long()

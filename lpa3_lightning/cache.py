@@ -8,12 +8,16 @@ expires ``K`` epochs after it was written, so every sample is attacked at most o
 
 The store is one tensor indexed by dataset index, allocated at the first write: in memory
 when it fits in ``max_bytes``, else in a memory-mapped file under ``directory`` (for large
-data sets); without a directory an over-large cache is refused with the fix.
+data sets); without a directory an over-large cache is refused with the fix. Only the
+in-memory store is checkpointed (exact resume); a file store restarts empty on resume
+(its entries are regenerated), since the file keeps changing after the checkpoint.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +86,8 @@ class AugmentationCache:
                 "raise `cache_max_bytes`."
             )
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.file = self.directory / "lpa3_augmentation_cache.bin"
+        # one file per run: concurrent runs (or nodes sharing a file system) never write the same one
+        self.file = self.directory / f"lpa3_augmentation_cache_{os.getpid()}_{uuid.uuid4().hex[:8]}.bin"
         flat = torch.from_file(str(self.file), shared=True, size=numel, dtype=dtype)
         self.storage = flat.view(self.num_samples, *sample_shape)
 
@@ -113,16 +118,14 @@ class AugmentationCache:
         self.written[idx] = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """In-memory stores travel in the checkpoint; a file store is flushed and referenced."""
+        """An in-memory store travels in the checkpoint; a file store does not (it is not a
+        snapshot: the run keeps overwriting it), so a resumed file cache starts empty."""
         in_memory = self.storage is not None and self.file is None
         return {
             "version": _STATE_VERSION,
             "num_samples": self.num_samples,
-            "written": self.written.clone(),
+            "written": self.written.clone() if in_memory else torch.full_like(self.written, -1),
             "storage": self.storage.clone() if in_memory else None,
-            "file": None if self.file is None else str(self.file),
-            "shape": None if self.storage is None else tuple(self.storage.shape[1:]),
-            "dtype": None if self.storage is None else str(self.storage.dtype).removeprefix("torch."),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,15 +137,3 @@ class AugmentationCache:
         self.written = state["written"].clone()
         if state.get("storage") is not None:
             self.storage, self.file = state["storage"].clone(), None
-        elif state.get("file") is not None:
-            path = Path(state["file"])
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"The augmentation cache file {path} named in the checkpoint is missing. Fix: restore it, or "
-                    "start the cache afresh with `regenerate_every_n_epochs` entries regenerated (delete the "
-                    "'augmentation_cache' entry of the callback state)."
-                )
-            dtype = getattr(torch, state["dtype"])
-            shape = tuple(state["shape"])
-            flat = torch.from_file(str(path), shared=True, size=self.num_samples * math.prod(shape), dtype=dtype)
-            self.storage, self.file = flat.view(self.num_samples, *shape), path

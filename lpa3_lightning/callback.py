@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
-from lpa3_lightning.distributed import gather_predictions, gather_rows
+from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
 from lpa3_lightning.dual_bn import DualSyncBatchNorm, has_dual_bn
-from lpa3_lightning.features import resolve_layers
+from lpa3_lightning.features import resolve_layers, unwrap_compiled
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
 from lpa3_lightning.selection import check_ratio
 from lpa3_lightning.tcs import TimeConsistency
@@ -87,7 +87,8 @@ class LPA3Callback(Callback):
             Under DDP every rank holds the whole cache (new ``x'`` are all-gathered).
         restore_rng: save torch's global random state (CPU and CUDA) with the callback's state
             and restore it on resume, so that a resumed run continues the same random stream
-            (needed for a bitwise-equal resume; Lightning does not checkpoint it).
+            (needed for a bitwise-equal resume; Lightning does not checkpoint it). Single
+            process only: under DDP the checkpoint holds rank 0's state, which is not restored.
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -165,6 +166,9 @@ class LPA3Callback(Callback):
         self._resolved_range: InputRange = None
         self._nonfinite = 0
         self._rng_to_restore: dict[str, Any] | None = None
+        self._rank = 0
+        self._last_update_epoch = torch.zeros(0, dtype=torch.long)  # per sample: epoch of its last TCS update
+        self._nonfinite_predictions = 0
         self.restore_rng = restore_rng
 
     @property
@@ -184,7 +188,7 @@ class LPA3Callback(Callback):
                 "`lpa3_lightning.mixins.LPA3ModuleMixin` (or `SupervisedLPA3Mixin`) and implement `lpa3_request`; "
                 "see the README section 'Use it in your own LightningModule'."
             )
-        model = pl_module.lpa3_model()
+        model = unwrap_compiled(pl_module.lpa3_model())
         resolve_layers(model, self.layers)  # fails early, listing the available layer names
         if self.attack_bn == "twin" and not has_dual_bn(model):
             raise ValueError("`attack_bn='twin'` needs twin BatchNorms in the model. Fix: call "
@@ -193,7 +197,18 @@ class LPA3Callback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's setup: Trainer(sync_batchnorm=True) converts BN only now.
-        self._refuse_dropped_twins(pl_module.lpa3_model())
+        model = unwrap_compiled(pl_module.lpa3_model())
+        self._refuse_dropped_twins(model)
+        if trainer.world_size > 1:
+            twins_used = getattr(pl_module, "lpa3_twin_bn", True)
+            synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)
+                      and (not isinstance(m, DualSyncBatchNorm) or not twins_used)]
+            if synced:
+                raise ValueError(
+                    "Under DDP the x' forward would pass through SyncBatchNorm, whose collectives only the ranks "
+                    "with selected samples would reach (a deadlock). Fix: call `convert_dual_bn(model)` after "
+                    "`nn.SyncBatchNorm.convert_sync_batchnorm(model)` (x' then uses local twins), or drop SyncBatchNorm."
+                )
 
     @staticmethod
     def _refuse_dropped_twins(model: nn.Module) -> None:
@@ -227,7 +242,8 @@ class LPA3Callback(Callback):
             ) from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._rng_to_restore is not None and self.restore_rng:
+        self._rank = trainer.global_rank
+        if self._rng_to_restore is not None and self.restore_rng and trainer.world_size == 1:
             # Dropout, random transforms and un-seeded attacks continue the interrupted run's
             # random stream, so a resumed run equals an uninterrupted one.
             _set_global_rng_state(self._rng_to_restore)
@@ -239,11 +255,18 @@ class LPA3Callback(Callback):
                 f"{num_classes!r}. Fix: set `self.lpa3_num_classes = num_classes` in __init__."
             )
         num_samples = self._infer_num_samples(trainer)
+        if not all_equal(num_samples) or not all_equal(num_classes):
+            raise ValueError(
+                "The processes disagree on the training-set size or the number of classes. Fix: give every rank "
+                "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank shards."
+            )
         fresh = TimeConsistency(num_samples, num_classes, self.ratio, divergence=self.tcs_divergence,
                                 initial_memory=self.tcs_initial_memory)
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
             fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
         self.tcs = fresh
+        if self._last_update_epoch.numel() != num_samples:
+            self._last_update_epoch = torch.full((num_samples,), -1, dtype=torch.long)
         if self.regenerate_every_n_epochs > 1:
             cache = AugmentationCache(num_samples, self.regenerate_every_n_epochs, self.cache_max_bytes,
                                       self.cache_dir or Path(trainer.default_root_dir) / "lpa3_cache")
@@ -254,8 +277,13 @@ class LPA3Callback(Callback):
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        request = pl_module.lpa3_request(batch)
-        self._check_request(request, self._memory().num_classes)
+        error: Exception | None = None
+        try:
+            request = pl_module.lpa3_request(batch)
+            self._check_request(request, self._memory().num_classes)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        self._raise_together(error)
         pl_module.lpa3_set_augmented(None)
         if trainer.current_epoch < self.warmup_epochs:
             return
@@ -263,6 +291,16 @@ class LPA3Callback(Callback):
         augmented = self._augment(trainer, pl_module, request, mask)
         pl_module.lpa3_set_augmented(augmented)
         self._log_batch(pl_module, request, augmented)
+
+    @staticmethod
+    def _raise_together(error: Exception | None) -> None:
+        # Under DDP a rank that refuses its batch must not leave the others waiting in the
+        # next collective: every rank learns of the failure and stops.
+        if any_rank_failed(error is not None):
+            if error is not None:
+                raise error
+            raise RuntimeError("LPA3Callback stopped because another process refused its batch; that process's "
+                               "log has the reason and the fix.")
 
     def _select(self, request: LPA3Request) -> Tensor:
         mask = self._memory().select(request.indices).to(request.inputs.device)
@@ -301,6 +339,11 @@ class LPA3Callback(Callback):
         epoch = trainer.current_epoch
         reuse = self.cache.fresh(idx, epoch) if self.cache is not None else torch.zeros_like(mask[mask])
         new = ~reuse
+        if int(new.sum()) == 1:  # batch statistics need two samples: a lone new one waits
+            keep = reuse
+            mask = mask.clone()
+            mask[mask.nonzero().flatten()[~keep]] = False
+            x, y, idx, reuse, new = x[keep], y[keep], idx[keep], reuse[keep], new[keep]
         x_out, stats = x.detach().clone(), None
         x_new = x[new]
         self._last_solver_seconds = 0.0
@@ -315,7 +358,7 @@ class LPA3Callback(Callback):
         return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()))
 
     def _attack(self, pl_module: pl.LightningModule, x: Tensor, y: Tensor) -> tuple[Tensor, Any]:
-        model = pl_module.lpa3_model()
+        model = unwrap_compiled(pl_module.lpa3_model())
         bn_mode = self.attack_bn
         if bn_mode == "auto":
             bn_mode = "twin" if has_dual_bn(model) else "eval"
@@ -335,7 +378,7 @@ class LPA3Callback(Callback):
             return None
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
-            self._generator.manual_seed(self.seed)
+            self._generator.manual_seed(self.seed + self._rank)  # different noise on every rank
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
                 self._generator_state = None
@@ -345,7 +388,7 @@ class LPA3Callback(Callback):
         n = request.inputs.shape[0]
         pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
         pl_module.log("lpa3/nonfinite_inputs", float(self._nonfinite), on_step=False, on_epoch=True,
-                      reduce_fx="sum", batch_size=n)
+                      reduce_fx="sum", batch_size=n, sync_dist=True)
         if self.cache is not None and len(augmented):
             pl_module.log("lpa3/reused_fraction", augmented.reused / len(augmented), on_step=True, on_epoch=True,
                           batch_size=len(augmented))
@@ -363,24 +406,34 @@ class LPA3Callback(Callback):
                            batch_idx: int) -> None:
         predictions = pl_module.lpa3_pop_predictions()
         pl_module.lpa3_set_augmented(None)
+        memory = self._memory()
+        error: Exception | None = None
         if predictions is None:
-            raise RuntimeError(
+            error = RuntimeError(
                 f"{type(pl_module).__name__}.training_step did not record its predictions. Fix: call "
                 "`self.lpa3_record_predictions(indices, logits)` with the clean logits (the TCS memory needs them)."
             )
-        indices, logits, targets = predictions
-        memory = self._memory()
-        if logits.dim() != 2 or logits.shape[1] != memory.num_classes:
-            raise ValueError(
-                f"The recorded logits have shape {tuple(logits.shape)} but lpa3_num_classes is {memory.num_classes}. "
-                "Fix: set `self.lpa3_num_classes` to the width of the model's logits."
+        elif predictions[1].dim() != 2 or predictions[1].shape[1] != memory.num_classes:
+            error = ValueError(
+                f"The recorded logits have shape {tuple(predictions[1].shape)} but lpa3_num_classes is "
+                f"{memory.num_classes}. Fix: set `self.lpa3_num_classes` to the width of the model's logits."
             )
+        self._raise_together(error)
+        indices, logits, targets = predictions  # type: ignore[misc]
         probs = torch.softmax(logits.float() / self.temperature, dim=1)
         # Every rank applies every rank's predictions, so the memory (and with it the
         # threshold and the selection) is identical everywhere; a no-op on one process.
         indices, probs, targets = gather_predictions(indices.to(probs.device), probs,
                                                      None if targets is None else targets.to(probs.device))
-        memory.update(indices, probs, targets)
+        indices = indices.to(memory.device)
+        # Non-finite predictions would poison a sample's score for good; DistributedSampler's
+        # padding repeats samples in a later step of the epoch: apply each sample once an epoch.
+        epoch = trainer.current_epoch
+        keep = torch.isfinite(probs).all(dim=1).to(memory.device) & (self._last_update_epoch[indices] != epoch)
+        self._nonfinite_predictions += int((~torch.isfinite(probs).all(dim=1)).sum())
+        self._last_update_epoch[indices[keep]] = epoch
+        keep_dev = keep.to(probs.device)
+        memory.update(indices[keep], probs[keep_dev], None if targets is None else targets[keep_dev])
 
     def _memory(self) -> TimeConsistency:
         if self.tcs is None:
@@ -391,6 +444,8 @@ class LPA3Callback(Callback):
         if self.tcs is None:
             return
         self.tcs.refresh_threshold()
+        pl_module.log("lpa3/nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True)
+        self._nonfinite_predictions = 0
         if self.tcs.has_threshold:
             pl_module.log("lpa3/threshold", float(self.tcs.threshold), sync_dist=True)  # equal on every rank
 
@@ -400,7 +455,8 @@ class LPA3Callback(Callback):
         tcs_state = self.tcs.state_dict() if self.tcs is not None else None
         cache_state = self.cache.state_dict() if self.cache is not None else None
         return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state,
-                "augmentation_cache": cache_state, "global_rng": _global_rng_state()}
+                "augmentation_cache": cache_state, "global_rng": _global_rng_state(),
+                "last_update_epoch": self._last_update_epoch.clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         tcs_state = state_dict.get("tcs")
@@ -414,6 +470,7 @@ class LPA3Callback(Callback):
             self.tcs.load_state_dict(tcs_state)
         self._generator_state = state_dict.get("generator_state")
         self._generator = None
+        self._last_update_epoch = state_dict.get("last_update_epoch", torch.zeros(0, dtype=torch.long)).clone()
         # Applied in on_train_start, after the model was built (which draws random numbers).
         self._rng_to_restore = state_dict.get("global_rng")
         cache_state = state_dict.get("augmentation_cache")  # absent in checkpoints of older versions

@@ -5,9 +5,12 @@ the time-consistency memory identical on every rank (as the authors' code does),
 all-gathers the dataset indices, predicted probabilities and labels of every rank, and every
 rank applies the same update. ``DistributedSampler`` pads the last global batch with
 duplicate indices; the first occurrence in rank order is kept, so every rank drops the same
-rows.
+rows; a padded duplicate in a later step of the same epoch is dropped by the callback's
+per-epoch record of updated indices.
 
 Bytes per sample and step: 8 (int64 index) + 4 * C (float32 probabilities) + 8 (int64 label);
+with a cache (``regenerate_every_n_epochs > 1``) each newly generated ``x'`` adds
+8 + (bytes of one input) to a second all-gather;
 each rank receives ``world_size`` times its own share, so the traffic per rank grows linearly
 with the world size (an all-gather).
 """
@@ -18,12 +21,44 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["bytes_per_sample", "deduplicate_first", "gather_predictions", "gather_rows", "is_distributed"]
+__all__ = [
+    "all_equal", "any_rank_failed", "bytes_per_sample", "communication_device", "deduplicate_first",
+    "gather_predictions", "gather_rows", "is_distributed",
+]
 
 
 def is_distributed() -> bool:
     """True inside an initialised process group with more than one process."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def communication_device() -> torch.device:
+    """Where the process group's collectives take their tensors (nccl: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """True on every rank when any rank reports a failure (False outside a process group).
+
+    Lets a rank that found bad input make all ranks raise together instead of leaving the
+    others waiting in the next collective.
+    """
+    if not is_distributed():
+        return failed
+    flag = torch.tensor([1.0 if failed else 0.0], device=communication_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def all_equal(value: int) -> bool:
+    """Whether every rank passed the same integer (True outside a process group)."""
+    if not is_distributed():
+        return True
+    t = torch.tensor([value, -value], dtype=torch.float64, device=communication_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0].item()) == value and int(-t[1].item()) == value
 
 
 def bytes_per_sample(num_classes: int) -> int:
@@ -77,17 +112,18 @@ def gather_predictions(
     """
     if not is_distributed():
         return indices, probs, targets
-    device = probs.device
-    # The communication device of the backend (gloo: CPU tensors; nccl: the rank's GPU).
+    home = probs.device
+    device = communication_device()  # gloo: CPU tensors; nccl: this rank's GPU
     size = torch.tensor([indices.shape[0]], device=device)
     sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes_t, size)
     sizes = [int(s) for s in sizes_t]
     all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
-    all_probs = _all_gather_padded(probs.float(), sizes)
+    all_probs = _all_gather_padded(probs.to(device, torch.float32), sizes)
     all_targets = None if targets is None else _all_gather_padded(targets.to(device, torch.long), sizes)
     keep = deduplicate_first(all_indices)
-    return all_indices[keep], all_probs[keep], None if all_targets is None else all_targets[keep]
+    out_targets = None if all_targets is None else all_targets[keep].to(home)
+    return all_indices[keep].to(home), all_probs[keep].to(home), out_targets
 
 
 def gather_rows(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -98,12 +134,12 @@ def gather_rows(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     """
     if not is_distributed():
         return indices, rows
-    device = rows.device
+    home, device = rows.device, communication_device()
     size = torch.tensor([indices.shape[0]], device=device)
     sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes_t, size)
     sizes = [int(s) for s in sizes_t]
     all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
-    all_rows = _all_gather_padded(rows, sizes)
+    all_rows = _all_gather_padded(rows.to(device), sizes)
     keep = deduplicate_first(all_indices)
-    return all_indices[keep], all_rows[keep]
+    return all_indices[keep].to(home), all_rows[keep].to(home)

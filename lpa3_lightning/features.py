@@ -24,6 +24,7 @@ __all__ = [
     "normalize_activation",
     "output_to_logits",
     "resolve_layers",
+    "unwrap_compiled",
 ]
 
 #: eps added to the channel norm, as in the authors' code (METHOD.md).
@@ -32,6 +33,15 @@ FEATURE_EPS = 1e-10
 _RESIDUAL_STAGE = re.compile(r"layer\d+")  # torchvision ResNet and our MedMNIST ResNets
 _WRN_BLOCK = re.compile(r"block\d+")  # Wide-ResNet stages
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The eager module behind ``torch.compile`` wrappers (hooks need the eager submodules)."""
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(compiled, "OptimizedModule", None)
+    while optimized is not None and isinstance(model, optimized):
+        model = model._orig_mod
+    return model
 
 
 def output_to_logits(output: Any) -> Tensor:

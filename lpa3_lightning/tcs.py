@@ -185,8 +185,9 @@ class TimeConsistency:
 
     def refresh_threshold(self) -> None:
         """Recompute the threshold from the scores of every sample seen so far (end of a pass)."""
-        if bool(self.seen.any()):
-            self.threshold = selection_threshold(self.scores[self.seen], self.ratio)
+        valid = self.seen & torch.isfinite(self.scores)  # a non-finite score must not set the threshold
+        if bool(valid.any()):
+            self.threshold = selection_threshold(self.scores[valid], self.ratio)
 
     @property
     def has_threshold(self) -> bool:

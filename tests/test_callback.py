@@ -491,10 +491,24 @@ def test_cache_is_restored_on_resume(tmp_path):
         assert torch.equal(received[0], callback.cache.get(torch.tensor([i]))[0])
 
 
-def test_old_checkpoint_without_cache_state_still_loads():
-    callback = LPA3Callback(regenerate_every_n_epochs=4)
-    callback.load_state_dict({"version": 1, "tcs": None, "generator_state": None})
-    assert callback.cache is None and callback.tcs is None
+def test_checkpoint_of_the_first_state_version_still_resumes(tmp_path):
+    """A checkpoint written before the cache, RNG and per-epoch keys existed (version 1 state
+    with only 'tcs' and 'generator_state') resumes with its TCS memory."""
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    ckpt = tmp_path / "new.ckpt"
+    trainer.save_checkpoint(ckpt)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    state = checkpoint["callbacks"]["LPA3Callback"]
+    checkpoint["callbacks"]["LPA3Callback"] = {"version": 1, "tcs": state["tcs"], "generator_state": None}
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    resumed = RecordsStartState(ratio=0.5, steps=1, seed=0, regenerate_every_n_epochs=2)
+    _trainer(tmp_path, [resumed], max_epochs=2).fit(TinyClassifier(), _loader(), ckpt_path=old)
+    assert torch.equal(resumed.start_state["memory"], state["tcs"]["memory"])
+    assert resumed.cache is not None  # the cache starts empty
 
 
 def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
@@ -503,6 +517,7 @@ def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
     trainer.fit(TinyClassifier(), _loader())
     assert callback.cache.file is not None and callback.cache.file.parent == tmp_path / "lpa3_cache"
     assert callback.cache.file.stat().st_size == 48 * 28 * 28 * 4
+    assert callback.cache.file.name.startswith("lpa3_augmentation_cache_")
 
 
 def test_sync_batchnorm_converted_before_the_twins_trains(tmp_path):
@@ -511,3 +526,71 @@ def test_sync_batchnorm_converted_before_the_twins_trains(tmp_path):
     trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
     trainer.fit(module, _loader())
     assert sum(module.seen_augmented) == 48
+
+
+def test_nonfinite_predictions_never_reach_the_memory(tmp_path):
+    class NanLogits(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            x, y, idx = batch
+            logits = self.model(x)
+            poisoned = logits.detach().clone()
+            poisoned[0] = float("nan")  # the first sample of every batch
+            self.lpa3_record_predictions(idx, poisoned)
+            self.lpa3_take_augmented()
+            return F.cross_entropy(logits, y)
+
+    callback = LPA3Callback(ratio=0.5, steps=1)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(NanLogits(), _loader(shuffle=False))
+    assert bool(torch.isfinite(callback.tcs.scores).all()) and bool(torch.isfinite(callback.tcs.memory).all())
+    assert int(callback.tcs.seen.sum()) == 48 - 3 and callback.tcs.has_threshold
+    assert float(trainer.callback_metrics["lpa3/nonfinite_predictions"]) == 3.0  # per epoch
+
+
+def test_compiled_model_with_named_layers_in_a_trainer(tmp_path):
+    module = TinyClassifier(twin_bn=False)
+    module.model = torch.compile(module.model)
+
+    callback = LPA3Callback(steps=1, layers=["0", "4"])
+    # the callback resolves names on the eager module behind the compiled wrapper
+    callback.setup(_trainer(tmp_path, [], max_epochs=1), module, "fit")
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0])
+    x_adv, _ = callback._attack(module, x, y)
+    assert x_adv.shape == x.shape
+
+
+def test_tuple_output_model_through_the_adapter(tmp_path):
+    class TupleNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = small_cnn()
+
+        def forward(self, x):
+            return self.body(x), x.mean()
+
+    class TupleClassifier(TinyClassifier):
+        def __init__(self):
+            super().__init__(twin_bn=False)
+            self.model = TupleNet()
+
+        def lpa3_logits(self, output):
+            return output[0]
+
+    module = TupleClassifier()
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    trainer.fit(module, _loader())
+    assert sum(module.seen_augmented) == 48
+
+
+def test_one_new_sample_among_cached_ones_waits(tmp_path):
+    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
+    module = TinyClassifier()
+    trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
+    trainer.fit(module, _loader(16, 16, shuffle=False))
+    callback.cache.written[1:16] = 0
+    callback.cache.written[0] = -1  # only sample 0 would need the solver
+    from lpa3_lightning.augmented import LPA3Request
+
+    request = LPA3Request(torch.randn(16, 1, 28, 28), torch.zeros(16, dtype=torch.long), torch.arange(16))
+    augmented = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
+    assert len(augmented) == 15 and augmented.reused == 15 and not bool(augmented.mask[0])

@@ -15,16 +15,20 @@ from torch.utils.data import DistributedSampler
 
 from lpa3_lightning import TimeConsistency
 from lpa3_lightning.distributed import bytes_per_sample, deduplicate_first, gather_predictions
-from tests.ddp.run_ddp import EPOCHS, N, PER_RANK_BATCH, no_bn_net
+from tests.ddp.run_ddp import EPOCHS, N, N_PADDED, PER_RANK_BATCH, no_bn_net
 from tests.helpers import indexed_images
 
 SCRIPT = Path(__file__).resolve().parent / "ddp" / "run_ddp.py"
 pytestmark = pytest.mark.ddp
 
 
-def _launch(tmp_path: Path, mode: str) -> tuple[dict, dict]:
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True,
+def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True,
                           timeout=300, cwd=SCRIPT.parents[2])
+
+
+def _launch(tmp_path: Path, mode: str) -> tuple[dict, dict]:
+    done = _run(tmp_path, mode)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))  # type: ignore[return-value]
 
@@ -102,6 +106,20 @@ def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path):
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
     twin_keys = [k for k in rank0["params"] if ".twin." in k and k.endswith(("weight", "bias"))]
     assert twin_keys and all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in twin_keys)
+
+
+def test_padded_duplicates_update_each_sample_once_an_epoch(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "padded")
+    assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
+    assert rank0["applied"] == {epoch: N_PADDED for epoch in range(EPOCHS)}
+
+
+def test_bad_input_on_one_rank_stops_every_rank_with_the_reason(tmp_path):
+    done = _run(tmp_path, "bad_rank1")  # the 300 s timeout would raise on a hang
+    assert done.returncode != 0
+    log = done.stdout + done.stderr
+    assert "Labels out of range (simulated on one rank)" in log
+    assert "another process refused its batch" in log
 
 
 def test_gather_is_a_no_op_in_one_process_and_dedup_keeps_first():

@@ -12,6 +12,7 @@ For one process; under DDP keep Lightning's DistributedSampler (a plain DataLoad
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,8 +71,12 @@ class ResumableDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
                  **kwargs: Any) -> None:
         if "sampler" in kwargs or "batch_sampler" in kwargs:
-            raise ValueError("ResumableDataLoader chooses its own sampler. Fix: use a plain DataLoader (e.g. "
-                             "under DDP, where Lightning injects a DistributedSampler).")
+            raise ValueError("ResumableDataLoader chooses its own sampler (under DDP Lightning tries to inject a "
+                             "DistributedSampler). Fix: use a plain DataLoader there (MedMNISTDataModule(resumable=False)).")
+        if kwargs.get("num_workers", 0) > 0:
+            warnings.warn("ResumableDataLoader with num_workers > 0 resumes the sample order exactly, but random "
+                          "transforms inside workers restart their random streams: use num_workers=0 for a "
+                          "bitwise-exact resume.", stacklevel=2)
         self.resume_sampler = EpochPermutationSampler(len(dataset), seed, shuffle)  # type: ignore[arg-type]
         # Its own generator for the per-iterator base seed: creating an iterator after a
         # restore must not draw from torch's global generator (that would shift dropout etc.).

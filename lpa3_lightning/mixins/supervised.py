@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lpa3_lightning.augmented import LPA3Request
+from lpa3_lightning.distributed import is_distributed
 from lpa3_lightning.dual_bn import has_dual_bn, twin_parameters, use_twin_bn
 from lpa3_lightning.mixins.base import LPA3ModuleMixin
 
@@ -56,6 +57,11 @@ class SupervisedLPA3Mixin(LPA3ModuleMixin):
     lpa3_weight: float = 1.0
     lpa3_twin_bn: bool = True
 
+    @staticmethod
+    def lpa3_twin_anchor(model: Any, like: Tensor) -> Tensor:
+        """``0 * sum(twin parameters)``: add it to the loss of a step without ``x'`` under DDP."""
+        return sum((0.0 * p.sum() for p in twin_parameters(model)), like.new_zeros(()))
+
     def lpa3_request(self, batch: Any) -> LPA3Request:
         x, y, idx = split_indexed_batch(batch)
         return LPA3Request(inputs=x, targets=y, indices=idx)
@@ -80,12 +86,14 @@ class SupervisedLPA3Mixin(LPA3ModuleMixin):
                 logits_aug = self.lpa3_logits(model(augmented.inputs))
             loss_aug = F.cross_entropy(logits_aug, augmented.targets)
             num_aug = len(augmented)
+        elif twins and is_distributed():
+            # No x' on this rank (warm-up, nothing selected): under DDP the twin parameters still
+            # join the graph with a zero gradient, so DDP needs no `find_unused_parameters` and no
+            # rank waits for a gradient another rank never computes. (On one process they keep
+            # a None gradient, so optimizers with momentum or weight decay leave them alone.)
+            loss_aug = self.lpa3_twin_anchor(model, logits)
         else:
-            # No x' on this rank (warm-up, nothing selected): the twin parameters still join
-            # the graph with a zero gradient, so DDP needs no `find_unused_parameters` and no
-            # rank waits for a gradient another rank never computes.
-            loss_aug = sum((0.0 * p.sum() for p in twin_parameters(model)), logits.new_zeros(())) if twins \
-                else logits.new_zeros(())
+            loss_aug = logits.new_zeros(())
         loss = loss_clean + self.lpa3_weight * loss_aug
         parts = {"loss_clean": loss_clean.detach(), "loss_aug": loss_aug.detach(),
                  "num_augmented": torch.tensor(float(num_aug))}

@@ -1,6 +1,6 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
-    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1}
+    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1}
 
 'supervised' also caches x' (regenerate_every_n_epochs=2).
 
@@ -27,6 +27,7 @@ from tests.helpers import indexed_images  # noqa: E402
 from tests.test_callback import TinyClassifier  # noqa: E402
 
 N, PER_RANK_BATCH, EPOCHS = 48, 8, 3
+N_PADDED = 49  # DistributedSampler pads to 50: one sample is seen twice an epoch
 
 
 def no_bn_net() -> nn.Module:
@@ -52,10 +53,31 @@ class IgnoresAugmentation(TinyClassifier):
 
 
 class Recording(LPA3Callback):
-    def __init__(self, *args, empty_rank: int | None = None, **kwargs) -> None:
+    def __init__(self, *args, empty_rank: int | None = None, bad_rank: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.empty_rank = empty_rank
+        self.bad_rank = bad_rank
         self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.applied_per_epoch: dict[int, int] = {}
+
+    def _check_request(self, request, num_classes):
+        if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
+            raise ValueError("Labels out of range (simulated on one rank)")
+        super()._check_request(request, num_classes)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        original = self.tcs.update
+
+        def counting(indices, probs, targets=None):
+            epoch = trainer.current_epoch
+            self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + int(indices.numel())
+            return original(indices, probs, targets)
+
+        self.tcs.update = counting
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            del self.tcs.update
 
     def _select(self, request):
         mask = super()._select(request)
@@ -71,16 +93,18 @@ class Recording(LPA3Callback):
 
 def main(out: Path, mode: str) -> None:
     pl.seed_everything(0)
-    module = IgnoresAugmentation() if mode == "ignore_aug" else TinyClassifier(twin_bn=True)
+    module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
     callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None,
-                         regenerate_every_n_epochs=2 if mode == "supervised" else 1)
+                         bad_rank=1 if mode == "bad_rank1" else None,
+                         regenerate_every_n_epochs=2 if mode in ("supervised", "empty_rank1") else 1)
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
-    loader = DataLoader(indexed_images(N), batch_size=PER_RANK_BATCH, shuffle=False)
+    n = N_PADDED if mode == "padded" else N
+    loader = DataLoader(indexed_images(n), batch_size=PER_RANK_BATCH, shuffle=False)
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "final.ckpt")
-    torch.save({"tcs": callback.tcs.state_dict(), "steps": callback.record,
+    torch.save({"tcs": callback.tcs.state_dict(), "steps": callback.record, "applied": callback.applied_per_epoch,
                 "cache": None if callback.cache is None else callback.cache.state_dict(),
                 "params": {k: v.detach().clone() for k, v in module.state_dict().items()}},
                out / f"rank{trainer.global_rank}.pt")
