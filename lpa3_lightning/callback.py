@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.utils.data import default_collate
 
 from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
@@ -21,6 +22,7 @@ from lpa3_lightning.features import resolve_layers, unwrap_compiled
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
 from lpa3_lightning.selection import check_ratio
 from lpa3_lightning.tcs import TimeConsistency
+from lpa3_lightning.visualize import comparison_grid
 
 __all__ = ["LPA3Callback"]
 
@@ -89,6 +91,10 @@ class LPA3Callback(Callback):
             and restore it on resume, so that a resumed run continues the same random stream
             (needed for a bitwise-equal resume; Lightning does not checkpoint it). Single
             process only: under DDP the checkpoint holds rank 0's state, which is not restored.
+        log_images_every_n_epochs: every N epochs (0: never) log a grid of the first
+            ``num_logged_images`` training images, their ``x'`` and ``|x' - x|`` (stretched) to
+            the Trainer's logger (TensorBoard ``add_image``, or a logger's ``log_image``).
+        num_logged_images: how many images the grid shows.
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -119,6 +125,8 @@ class LPA3Callback(Callback):
         cache_max_bytes: int = DEFAULT_MAX_BYTES,
         cache_dir: str | None = None,
         restore_rng: bool = True,
+        log_images_every_n_epochs: int = 0,
+        num_logged_images: int = 8,
     ) -> None:
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
@@ -156,6 +164,14 @@ class LPA3Callback(Callback):
         self.tcs_initial_memory = tcs_initial_memory
         self.seed = seed
         AugmentationCache(1, regenerate_every_n_epochs, cache_max_bytes)  # validates the cache arguments
+        if isinstance(log_images_every_n_epochs, bool) or not isinstance(log_images_every_n_epochs, int) \
+                or log_images_every_n_epochs < 0:
+            raise ValueError(f"`log_images_every_n_epochs` must be an int >= 0 (0: off), got {log_images_every_n_epochs!r}.")
+        if isinstance(num_logged_images, bool) or not isinstance(num_logged_images, int) or num_logged_images < 1:
+            raise ValueError(f"`num_logged_images` must be an int >= 1, got {num_logged_images!r}.")
+        self.log_images_every_n_epochs = log_images_every_n_epochs
+        self.num_logged_images = num_logged_images
+        self.last_grid: Tensor | None = None
         self.regenerate_every_n_epochs = regenerate_every_n_epochs
         self.cache_max_bytes = cache_max_bytes
         self.cache_dir = cache_dir
@@ -444,10 +460,35 @@ class LPA3Callback(Callback):
         if self.tcs is None:
             return
         self.tcs.refresh_threshold()
+        if self.log_images_every_n_epochs and trainer.current_epoch % self.log_images_every_n_epochs == 0 \
+                and trainer.is_global_zero:
+            self._log_grid(trainer, pl_module)
         pl_module.log("lpa3/nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True)
         self._nonfinite_predictions = 0
         if self.tcs.has_threshold:
             pl_module.log("lpa3/threshold", float(self.tcs.threshold), sync_dist=True)  # equal on every rank
+
+    def _log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dataset = getattr(trainer.train_dataloader, "dataset", None)
+        if dataset is None:
+            return
+        count = min(self.num_logged_images, len(dataset))
+        batch = pl_module.transfer_batch_to_device(default_collate([dataset[i] for i in range(count)]),
+                                                   pl_module.device, 0)
+        request = pl_module.lpa3_request(batch)
+        if request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
+            return  # not images: nothing to draw
+        x_adv, _ = self._attack(pl_module, request.inputs, request.targets)
+        normalization = self._resolved_range if isinstance(self._resolved_range, Mapping) else None
+        self.last_grid = comparison_grid(request.inputs, x_adv, normalization)
+        logger = trainer.logger
+        if logger is None:
+            return
+        if hasattr(logger, "log_image"):
+            logger.log_image(key="lpa3/examples", images=[self.last_grid], step=trainer.global_step)
+        elif hasattr(getattr(logger, "experiment", None), "add_image"):
+            logger.experiment.add_image("lpa3/examples (rows: x, x', |x'-x| stretched)", self.last_grid,
+                                        trainer.global_step)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -3,11 +3,13 @@
 ``lpa3 fit --config configs/medmnist/demo_breastmnist_lpa3.yaml`` trains; with
 ``--test_after_fit true`` it then tests the best checkpoint (or the last weights when no
 checkpoint callback monitors a metric) and prints the test metrics and where results went.
-``python -m lpa3_lightning`` is the same command.
+``python -m lpa3_lightning`` is the same command. ``lpa3 show --ckpt ... --out grid.png``
+writes a picture of x, x' and |x' - x| for a trained checkpoint (:mod:`lpa3_lightning.show`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -53,7 +55,13 @@ def build_cli(args: Any = None, run: bool = True) -> LPA3CLI:
 
 
 def main(args: Any = None) -> None:
-    """Entry point of the ``lpa3`` console script."""
+    """Entry point of the ``lpa3`` console script (``lpa3 show ...`` draws x / x' grids)."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["show"]:
+        from lpa3_lightning.show import main as show_main
+
+        show_main(argv[1:])
+        return
     build_cli(args)
 
 

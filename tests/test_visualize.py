@@ -1,0 +1,74 @@
+"""The x / x' / |x' - x| grid, its logging by the callback, and the `lpa3 show` command."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader
+
+from lpa3_lightning import LPA3Callback, LPA3Classifier
+from lpa3_lightning.cli import main
+from lpa3_lightning.data import MedMNISTDataModule
+from lpa3_lightning.visualize import comparison_grid, save_comparison_grid, to_unit_range
+from tests.helpers import indexed_images
+from tests.test_callback import TinyClassifier
+
+
+def test_grid_rows_are_clean_augmented_and_stretched_difference():
+    x = torch.zeros(2, 1, 4, 4)
+    x_adv = x.clone()
+    x_adv[0, 0, 1, 1] = 0.2
+    grid = comparison_grid(x, x_adv, normalization={"mean": [0.5], "std": [0.5]}, padding=0)
+    assert tuple(grid.shape) == (3, 12, 8)
+    assert float(grid.min()) >= 0 and float(grid.max()) <= 1
+    assert torch.allclose(grid[0, 0:4, 0:4], torch.full((4, 4), 0.5))  # x = 0 is grey 0.5
+    assert float(grid[0, 4 + 1, 1]) == pytest.approx(0.6)  # x' = 0.2 -> 0.6
+    assert float(grid[0, 8 + 1, 1]) == pytest.approx(1.0) and float(grid[0, 8:12, 4:8].max()) == 0.0
+    with pytest.raises(ValueError, match="image batches"):
+        comparison_grid(torch.zeros(2, 5, 4, 4), torch.zeros(2, 5, 4, 4))
+    assert float(to_unit_range(torch.tensor([[-2.0, 2.0]])).max()) == 1.0
+
+
+def test_saved_png_has_the_grid_size(tmp_path):
+    path = save_comparison_grid(tmp_path / "g" / "grid.png", torch.rand(5, 3, 28, 28), torch.rand(5, 3, 28, 28))
+    with Image.open(path) as image:
+        assert image.size == (5 * 30 + 2, 3 * 30 + 2)
+
+
+def test_callback_logs_the_grid_to_tensorboard(tmp_path):
+    pl.seed_everything(0)
+    callback = LPA3Callback(steps=1, log_images_every_n_epochs=1, num_logged_images=4)
+    logger = pl.loggers.TensorBoardLogger(tmp_path, name="")
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", callbacks=[callback], logger=logger,
+                         enable_progress_bar=False, enable_checkpointing=False)
+    trainer.fit(TinyClassifier(), DataLoader(indexed_images(16), batch_size=8))
+    assert callback.last_grid is not None and tuple(callback.last_grid.shape) == (3, 92, 122)
+    events = EventAccumulator(str(tmp_path / "version_0"), size_guidance={"images": 0})
+    events.Reload()
+    tags = events.Tags()["images"]
+    assert any(tag.startswith("lpa3/examples") for tag in tags)
+    assert len(events.Images(tags[0])) == 2  # once per epoch
+
+
+def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys):
+    pl.seed_everything(0)
+    module = LPA3Classifier(num_classes=2, in_channels=1)
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
+    ckpt = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(ckpt)
+    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "6", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "wrote" in out and out.count("label preserved True") == 6
+    with Image.open(tmp_path / "show.png") as image:
+        assert image.size == (6 * 30 + 2, 3 * 30 + 2)
+
+
+def test_show_command_refuses_a_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["show", "--ckpt", str(tmp_path / "nope.ckpt")])
+    assert "does not exist" in capsys.readouterr().err
