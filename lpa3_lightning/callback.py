@@ -95,6 +95,8 @@ class LPA3Callback(Callback):
             ``num_logged_images`` training images, their ``x'`` and ``|x' - x|`` (stretched) to
             the Trainer's logger (TensorBoard ``add_image``, or a logger's ``log_image``).
         num_logged_images: how many images the grid shows.
+        fast: the cheaper solver of :func:`~lpa3_lightning.attack.lpa3_attack` (``fast=True``):
+            one finite-difference forward in all, farthest feasible iterate instead of a bisection.
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -127,6 +129,7 @@ class LPA3Callback(Callback):
         restore_rng: bool = True,
         log_images_every_n_epochs: int = 0,
         num_logged_images: int = 8,
+        fast: bool = False,
     ) -> None:
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
@@ -144,6 +147,9 @@ class LPA3Callback(Callback):
                              "Fix: use 'uniform'.")
         if not isinstance(project, bool):
             raise ValueError(f"`project` must be True or False, got {project!r}.")
+        if not isinstance(fast, bool):
+            raise ValueError(f"`fast` must be True or False, got {fast!r}.")
+        self.fast = fast
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be None or an int, got {seed!r}.")
         if layers is not None and not isinstance(layers, (str, Sequence)):
@@ -382,7 +388,8 @@ class LPA3Callback(Callback):
         x_adv, stats = lpa3_attack(
             model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
             input_range=self._resolved_range, temperature=self.temperature, generator=self._generator_for(x),
-            project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, return_stats=True,
+            project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,
+            return_stats=True,
         )
         if x.is_cuda:
             torch.cuda.synchronize(x.device)

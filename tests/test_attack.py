@@ -351,3 +351,14 @@ def test_a_compiled_model_is_attacked_through_its_eager_original():
     eager = lpa3_attack(net, x, y, steps=2, generator=torch.Generator().manual_seed(0))
     through_compiled = lpa3_attack(compiled, x, y, steps=2, generator=torch.Generator().manual_seed(0))
     assert torch.equal(eager, through_compiled)
+
+
+@pytest.mark.parametrize("sigma", [0.002, 0.02])
+def test_fast_mode_keeps_the_constraint_and_moves_away_from_x(sigma):
+    net = confident_cnn()
+    x, y = confident_batch()
+    x_adv, stats = lpa3_attack(net, x, y, sigma=sigma, fast=True, return_stats=True,
+                               generator=torch.Generator().manual_seed(0))
+    drop = _logp(net, x, y) - _logp(net, x_adv, y)
+    assert bool((drop <= sigma + 1e-6).all()) and bool(stats.preserved.all())
+    assert float(stats.perceptual_distance.mean()) > 0.1

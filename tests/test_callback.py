@@ -400,24 +400,30 @@ def test_batch_of_size_one_trains_without_augmentation(tmp_path):
     assert int(callback.tcs.seen.sum()) == 4
 
 
-def test_dict_output_model_through_the_lpa3_logits_adapter(tmp_path):
-    class DictNet(nn.Module):
+@pytest.mark.parametrize(
+    ("wrap", "unwrap"),
+    [(lambda logits, x: {"logits": logits, "aux": x.mean()}, lambda out: out["logits"]),
+     (lambda logits, x: (logits, x.mean()), lambda out: out[0])],
+    ids=["dict", "tuple"],
+)
+def test_non_tensor_outputs_through_the_lpa3_logits_adapter(tmp_path, wrap, unwrap):
+    class WrappedNet(nn.Module):
         def __init__(self):
             super().__init__()
             self.body = small_cnn()
 
         def forward(self, x):
-            return {"logits": self.body(x), "aux": x.mean()}
+            return wrap(self.body(x), x)
 
-    class DictClassifier(TinyClassifier):
+    class WrappedClassifier(TinyClassifier):
         def __init__(self):
             super().__init__(twin_bn=False)
-            self.model = DictNet()
+            self.model = WrappedNet()
 
         def lpa3_logits(self, output):
-            return output["logits"]
+            return unwrap(output)
 
-    module = DictClassifier()
+    module = WrappedClassifier()
     trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
     trainer.fit(module, _loader())
     assert sum(module.seen_augmented) == 48
@@ -559,29 +565,6 @@ def test_compiled_model_with_named_layers_in_a_trainer(tmp_path):
     assert x_adv.shape == x.shape
 
 
-def test_tuple_output_model_through_the_adapter(tmp_path):
-    class TupleNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = small_cnn()
-
-        def forward(self, x):
-            return self.body(x), x.mean()
-
-    class TupleClassifier(TinyClassifier):
-        def __init__(self):
-            super().__init__(twin_bn=False)
-            self.model = TupleNet()
-
-        def lpa3_logits(self, output):
-            return output[0]
-
-    module = TupleClassifier()
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
-    trainer.fit(module, _loader())
-    assert sum(module.seen_augmented) == 48
-
-
 def test_one_new_sample_among_cached_ones_waits(tmp_path):
     callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
     module = TinyClassifier()
@@ -594,3 +577,13 @@ def test_one_new_sample_among_cached_ones_waits(tmp_path):
     request = LPA3Request(torch.randn(16, 1, 28, 28), torch.zeros(16, dtype=torch.long), torch.arange(16))
     augmented = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
     assert len(augmented) == 15 and augmented.reused == 15 and not bool(augmented.mask[0])
+
+
+def test_fast_solver_in_a_trainer_keeps_every_label(tmp_path):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=0.5, steps=3, fast=True, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(TinyClassifier(), _loader())
+    assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) == 1.0
+    with pytest.raises(ValueError, match="fast"):
+        LPA3Callback(fast="yes")

@@ -1,0 +1,161 @@
+"""Training overhead of LP-A3: time per step, per epoch (cached x'), peak memory; in one run.
+
+    python benchmarks/step_overhead.py [--epochs 3]
+
+ResNet-18 (MedMNIST stem) on the embedded BreastMNIST train split (546 images, 28x28),
+batch 128, Adam, one process per configuration (so peak memory is per configuration):
+  baseline        LPA3Classifier without the callback (no twin BN)
+  lpa3            + LPA3Callback(ratio=0.3, steps=5), default solver
+  lpa3_fast       + the same with fast=True
+  lpa3_cached     + the default solver with regenerate_every_n_epochs=10
+Epoch 0 is a warm-up for every LP-A3 run (warmup_epochs=1: TCS fills, no attack), so the
+measured epochs select 30% as in steady state. Prints the median step time of the measured
+epochs, the ratio to the baseline, the peak resident memory, the amortized epoch time with
+K=10 ((regeneration epoch + 9 reuse epochs) / 10), and the floor: the baseline step plus
+5 x (forward + input-gradient backward) on the selected samples plus one training pass on x'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONFIGS = ("baseline", "lpa3", "lpa3_fast", "lpa3_cached")
+
+
+def _worker(config: str, epochs: int) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lpa3_lightning import LPA3Callback, LPA3Classifier
+    from lpa3_lightning.data import MedMNISTDataModule
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.steps: dict[int, list[float]] = {}
+            self.epochs: dict[int, float] = {}
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self._epoch_start = time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
+
+    pl.seed_everything(0)
+    timer = StepTimer()
+    callbacks: list[Callback] = [timer]
+    if config != "baseline":
+        callbacks.append(LPA3Callback(ratio=0.3, steps=5, warmup_epochs=1, seed=0, fast=config == "lpa3_fast",
+                                      regenerate_every_n_epochs=10 if config == "lpa3_cached" else 1))
+    module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=config != "baseline")
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=128))
+    measured = [e for e in timer.steps if e >= 1]
+    result = {
+        "step_s": statistics.median([t for e in measured for t in timer.steps[e]]),
+        "epochs_s": {e: timer.epochs[e] for e in measured},
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if config == "lpa3":
+        result["floor_s"] = _floor(module)
+    return result
+
+
+def _floor(module) -> float:
+    """Baseline-equivalent work plus the least LP-A3 adds: on 30% of a batch of 128,
+    5 x (forward + backward to the input) and one training forward+backward of x'."""
+    import torch
+
+    from lpa3_lightning.dual_bn import use_twin_bn
+
+    model = module.model
+    x = torch.randn(128, 1, 28, 28)
+    y = torch.randint(0, 2, (128,))
+    selected = int(0.3 * 128)
+
+    def timed(fn, reps: int = 3) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def train_pass(inputs, targets, twin=False):
+        model.train()
+        model.zero_grad()
+        if twin:
+            with use_twin_bn(model):
+                torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        else:
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+
+    def input_grad_pass():
+        model.eval()
+        xs = x[:selected].clone().requires_grad_(True)
+        torch.autograd.grad(model(xs).logsumexp(1).sum(), xs)
+
+    base = timed(lambda: train_pass(x, y))
+    attack = 5 * timed(input_grad_pass)
+    aug = timed(lambda: train_pass(x[:selected], y[:selected], twin=True))
+    model.zero_grad(set_to_none=True)
+    return base + attack + aug
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3, help="epoch 0 is warm-up; epochs 1.. are measured")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.epochs)))
+        return
+    import torch
+
+    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; ResNet-18 28x28, "
+          f"batch 128, BreastMNIST train (546), epochs 1..{args.epochs - 1} measured, one process each")
+    results = {}
+    for config in CONFIGS:
+        done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs)],
+                              capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            sys.exit(f"{config} failed:\n{done.stderr[-3000:]}")
+        results[config] = json.loads(done.stdout.strip().splitlines()[-1])
+    base = results["baseline"]
+    base_epoch = statistics.median(base["epochs_s"].values())
+    print(f"{'config':12} {'step s':>8} {'x base':>7} {'epoch s':>8} {'x base':>7} {'peak MB':>8} {'x base':>7}")
+    for config, r in results.items():
+        epoch = statistics.median(r["epochs_s"].values())
+        print(f"{config:12} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {epoch:8.2f} "
+              f"{epoch / base_epoch:6.2f}x {r['peak_rss_mb']:8.0f} {r['peak_rss_mb'] / base['peak_rss_mb']:6.2f}x")
+    cached = results["lpa3_cached"]["epochs_s"]
+    regen, reuse = cached[min(cached)], cached[max(cached)]
+    amortized = (regen + 9 * reuse) / 10
+    print(f"lpa3_cached: regeneration epoch {regen:.2f} s, reuse epoch {reuse:.2f} s -> amortized over K=10: "
+          f"{amortized:.2f} s = {amortized / base_epoch:.2f}x baseline epoch")
+    floor = results["lpa3"]["floor_s"]
+    print(f"floor per step (baseline step + 5 x (forward + input-gradient backward) on 38 selected + one training "
+          f"pass on x'): {floor:.3f} s; lpa3 step is {results['lpa3']['step_s'] / floor:.2f}x the floor")
+
+
+if __name__ == "__main__":
+    main()
