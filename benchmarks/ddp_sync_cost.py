@@ -132,7 +132,7 @@ def _report(cfg: dict, sync: dict, step: dict, grad_s: float, numel: int, elapse
           f"{WORLD_SIZE} processes on 127.0.0.1, torch.set_num_threads(1) in each worker")
     print(f"sync: median of {cfg['sync_reps']} gather_predictions calls after {cfg['sync_warmup']} warm-up, "
           "dist.barrier() before each, max over ranks")
-    print(f"step: median local forward+backward+SGD step of medmnist_resnet('resnet18', 1, 2) at 28x28, "
+    print("step: median local forward+backward+SGD step of medmnist_resnet('resnet18', 1, 2) at 28x28, "
           "both ranks at once, no gradient all-reduce; [reps, warm-up steps] per batch")
     header = (f"{'world':>5} {'batch':>6} {'classes':>7} {'bytes/rank/step':>15} {'recv/rank/step':>14} "
               f"{'sync ms':>9} {'step ms':>14} {'sync/step':>10}")

@@ -34,7 +34,6 @@ CONFIGS = ("baseline", "lpa3", "lpa3_fast", "lpa3_cached")
 
 def _worker(config: str, epochs: int) -> dict:
     import lightning.pytorch as pl
-    import torch
     from lightning.pytorch.callbacks import Callback
 
     from lpa3_lightning import LPA3Callback, LPA3Classifier

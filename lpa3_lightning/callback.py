@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -26,7 +26,7 @@ from lpa3_lightning.visualize import comparison_grid
 
 __all__ = ["LPA3Callback"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 added the x' cache, the global RNG and the per-epoch update record
 
 
 def _global_rng_state() -> dict[str, Any]:
@@ -55,7 +55,8 @@ class LPA3Callback(Callback):
     Logged (through the Trainer's logger, per step and per epoch): ``lpa3/selected_fraction``,
     ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (fraction of ``x'`` with
     ``log p(y|x') >= log p(y|x) - sigma``), ``lpa3/projected`` (fraction pulled back by the
-    bisection), ``lpa3/solver_seconds``; per epoch ``lpa3/threshold``.
+    bisection), ``lpa3/solver_seconds``, ``lpa3/reused_fraction`` (with a cache); per epoch
+    ``lpa3/threshold``, ``lpa3/nonfinite_inputs`` and ``lpa3/nonfinite_predictions``.
 
     Args:
         ratio: fraction of samples given LP-A3 (tau), in (0, 1].
@@ -155,7 +156,8 @@ class LPA3Callback(Callback):
         if layers is not None and not isinstance(layers, (str, Sequence)):
             raise ValueError(f"`layers` must be None, a name/pattern or a list of them, got {layers!r}.")
         if input_range not in ("auto", None) and not isinstance(input_range, (Mapping, Sequence)):
-            raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean', 'std'}}, got {input_range!r}.")
+            raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean', 'std'}}, got "
+                             f"{input_range!r}.")
         self.sigma = float(sigma)
         self.steps = steps
         self.lam = float(lam)
@@ -172,7 +174,8 @@ class LPA3Callback(Callback):
         AugmentationCache(1, regenerate_every_n_epochs, cache_max_bytes)  # validates the cache arguments
         if isinstance(log_images_every_n_epochs, bool) or not isinstance(log_images_every_n_epochs, int) \
                 or log_images_every_n_epochs < 0:
-            raise ValueError(f"`log_images_every_n_epochs` must be an int >= 0 (0: off), got {log_images_every_n_epochs!r}.")
+            raise ValueError(f"`log_images_every_n_epochs` must be an int >= 0 (0: off), got "
+                             f"{log_images_every_n_epochs!r}.")
         if isinstance(num_logged_images, bool) or not isinstance(num_logged_images, int) or num_logged_images < 1:
             raise ValueError(f"`num_logged_images` must be an int >= 1, got {num_logged_images!r}.")
         self.log_images_every_n_epochs = log_images_every_n_epochs
@@ -229,7 +232,8 @@ class LPA3Callback(Callback):
                 raise ValueError(
                     "Under DDP the x' forward would pass through SyncBatchNorm, whose collectives only the ranks "
                     "with selected samples would reach (a deadlock). Fix: call `convert_dual_bn(model)` after "
-                    "`nn.SyncBatchNorm.convert_sync_batchnorm(model)` (x' then uses local twins), or drop SyncBatchNorm."
+                    "`nn.SyncBatchNorm.convert_sync_batchnorm(model)` (x' then uses local twins), or drop "
+                    "SyncBatchNorm."
                 )
 
     @staticmethod

@@ -22,7 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm", "convert_dual_bn", "has_dual_bn", "twin_parameters", "use_twin_bn"]
+__all__ = [
+    "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm",
+    "convert_dual_bn", "has_dual_bn", "twin_parameters", "use_twin_bn",
+]
 
 #: The authors' momentum for the twin BN's running statistics.
 TWIN_MOMENTUM = 0.01

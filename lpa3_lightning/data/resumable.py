@@ -72,7 +72,8 @@ class ResumableDataLoader(DataLoader):
                  **kwargs: Any) -> None:
         if "sampler" in kwargs or "batch_sampler" in kwargs:
             raise ValueError("ResumableDataLoader chooses its own sampler (under DDP Lightning tries to inject a "
-                             "DistributedSampler). Fix: use a plain DataLoader there (MedMNISTDataModule(resumable=False)).")
+                             "DistributedSampler). Fix: use a plain DataLoader there "
+                             "(MedMNISTDataModule(resumable=False)).")
         if kwargs.get("num_workers", 0) > 0:
             warnings.warn("ResumableDataLoader with num_workers > 0 resumes the sample order exactly, but random "
                           "transforms inside workers restart their random streams: use num_workers=0 for a "
