@@ -137,8 +137,9 @@ def main() -> None:
             "lpa3_attack() default": lambda: ours(),
             "lpa3_attack(fast=True)": lambda: ours(fast=True),
         }
-        chosen = {label: fn for label, fn in runs.items() if args.only is None or args.only in label or "authors" in label}
-    results = {label: _time(fn, args.repeats) for label, fn in chosen.items()}
+        chosen = {label: fn for label, fn in runs.items()
+                  if args.only is None or args.only in label or "authors" in label}
+        results = {label: _time(fn, args.repeats) for label, fn in chosen.items()}
         base_t, base_x = results["authors' loop (transcription)"]
         print(f"\n{name}: input {tuple(x.shape)}")
         print(f"{'solver':32} {'median s':>9} {'speed-up':>9} {'max|dx| vs authors':>19} {'preserved':>10} "
