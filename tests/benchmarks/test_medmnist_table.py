@@ -1,0 +1,46 @@
+"""The table and the time-to-accuracy numbers of benchmarks/medmnist_table.py, on made-up runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from PIL import Image
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "medmnist_table.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("medmnist_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(method: str, seed: int, accs: list[float], seconds: float) -> dict:
+    curve = [{"epoch": i, "train_seconds": seconds * (i + 1), "test_acc": a, "test_auc": a, "val_auc": a}
+             for i, a in enumerate(accs)]
+    return {"flag": "breastmnist", "method": method, "seed": seed, "epochs": len(accs), "best_epoch": len(accs) - 1,
+            "test_acc": accs[-1], "test_auc": accs[-1], "wall_seconds": seconds * len(accs), "curve": curve}
+
+
+def test_table_and_time_to_accuracy(tmp_path):
+    table = _module()
+    results = [
+        _run("baseline", 0, [0.70, 0.80, 0.82], 10.0),
+        _run("baseline", 1, [0.70, 0.84, 0.83], 10.0),
+        _run("randaugment", 0, [0.60, 0.70, 0.75], 11.0),
+        _run("lpa3", 0, [0.75, 0.83, 0.85], 25.0),  # reaches 0.82 at 50 s; baseline at 30 s
+        _run("lpa3", 1, [0.70, 0.80, 0.81], 25.0),  # never reaches 0.84
+    ]
+    text = table.summarize(results, tmp_path)
+    assert "| breastmnist | baseline | 0.825 +- 0.007 |" in text
+    assert "| breastmnist | lpa3 | 0.830 +- 0.028 |" in text
+    assert (tmp_path / "table.md").read_text().strip() == text
+    notes = table.plot(results, tmp_path)
+    assert notes == [
+        "breastmnist seed 0: baseline best test acc 0.820 at 30 s; LP-A3 reached it at 50 s = 1.67x",
+        "breastmnist seed 1: baseline best test acc 0.840 at 20 s; LP-A3 never reached it",
+    ]
+    with Image.open(tmp_path / "time_to_accuracy.png") as image:
+        assert image.size[0] > 300 and image.size[1] > 200
