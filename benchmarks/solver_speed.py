@@ -10,7 +10,9 @@ x' from the authors' (project=False must match), the fraction of samples whose l
 preserved (log p(y|x') >= log p(y|x) - sigma) and the mean perceptual distance.
 
 The transcription follows METHOD.md, written here: loss.backward() through every parameter
-(filling .grad, zeroed each step) and a finite-difference forward at every step.
+(filling .grad, zeroed each step) and a finite-difference forward at every step. All solvers
+run the model in eval mode (BN on running statistics) so that their x' can be compared; the
+authors run it in train mode through twin BNs, which costs the same passes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ SIGMA = 0.02
 
 def authors_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor, low: float, high: float,
                  sigma: float = SIGMA, steps: int = 5, lam: float = 1.0) -> torch.Tensor:
-    """METHOD.md's loop as the authors' code runs it (backward through the parameters)."""
+    """METHOD.md's loop with the authors' costs (backward through the parameters), in eval mode."""
     feats = PerceptualFeatures(model)
     with torch.no_grad():
         logits0, phi0 = feats(x)

@@ -59,7 +59,8 @@ class AttackStats:
         perceptual_distance: ``||phi(x') - phi(x)||_2``.
         logp_drop: ``log p(y|x) - log p(y|x')`` (the constraint is ``<= sigma``).
         preserved: whether the constraint holds for the returned ``x'``.
-        projected: whether the sample was pulled back by the bisection.
+        projected: whether the solver's final iterate broke the constraint and the sample was
+            pulled back (bisection; in fast mode, an earlier feasible iterate).
         l2: ``||x' - x||_2`` in input space.
     """
 
@@ -304,7 +305,7 @@ def lpa3_attack(
         noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
         delta = clamp(x + (2 * noise - 1) * INIT_NOISE) - x
         # fast mode: the best feasible iterate seen so far (farthest in feature space)
-        best = _BestFeasible(delta, logp0) if fast else None
+        best = _BestFeasible(delta, logp0) if fast and project else None
         for t in range(steps):
             step = sigma * 0.1 ** (t / steps)
             lam_t = lam * 0.1 ** (1 - t / steps)
@@ -332,9 +333,9 @@ def lpa3_attack(
             logp_final, dist_final = evaluate(delta, alpha, torch.ones(n, dtype=torch.bool, device=x.device))
             ok = logp_final >= logp0 - sigma
             projected = torch.zeros_like(ok)
-            if project and best is not None:
+            if best is not None:
                 best.offer(delta, logp_final, dist_final, logp0 - sigma)
-                projected = ~best.is_last(delta)
+                projected = ~ok  # as in the default mode: the final iterate broke the constraint
                 delta, logp_final, dist_final = best.delta, best.logp, best.dist
             elif project and not bool(ok.all()):
                 projected = ~ok
@@ -371,9 +372,6 @@ class _BestFeasible:
         self.delta[better] = delta[better]
         self.logp[better] = logp[better]
         self.dist[better] = dist[better]
-
-    def is_last(self, delta: Tensor) -> Tensor:
-        return (self.delta == delta).flatten(1).all(dim=1)
 
 
 class _Evaluator:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
@@ -94,7 +95,9 @@ class LPA3Callback(Callback):
             process only: under DDP the checkpoint holds rank 0's state, which is not restored.
         log_images_every_n_epochs: every N epochs (0: never) log a grid of the first
             ``num_logged_images`` training images, their ``x'`` and ``|x' - x|`` (stretched) to
-            the Trainer's logger (TensorBoard ``add_image``, or a logger's ``log_image``).
+            the Trainer's logger (TensorBoard ``add_image``, or a logger's ``log_image``). The
+            grid's ``x'`` come from the model in eval mode (each image on its own), with random
+            draws that do not touch the training run's.
         num_logged_images: how many images the grid shows.
         fast: the cheaper solver of :func:`~lpa3_lightning.attack.lpa3_attack` (``fast=True``):
             one finite-difference forward in all, farthest feasible iterate instead of a bisection.
@@ -181,6 +184,7 @@ class LPA3Callback(Callback):
         self.log_images_every_n_epochs = log_images_every_n_epochs
         self.num_logged_images = num_logged_images
         self.last_grid: Tensor | None = None
+        self._warned_grid = False
         self.regenerate_every_n_epochs = regenerate_every_n_epochs
         self.cache_max_bytes = cache_max_bytes
         self.cache_dir = cache_dir
@@ -481,23 +485,36 @@ class LPA3Callback(Callback):
 
     def _log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dataset = getattr(trainer.train_dataloader, "dataset", None)
-        if dataset is None:
+        logger = trainer.logger
+        can_log = hasattr(logger, "log_image") or hasattr(getattr(logger, "experiment", None), "add_image")
+        if dataset is None or not can_log:
+            if not self._warned_grid:
+                rank_zero_warn("LPA3Callback cannot log image grids here (no train dataset, or a logger without "
+                               "images). Fix: use TensorBoardLogger (or a logger with `log_image`), or set "
+                               "log_images_every_n_epochs=0.")
+                self._warned_grid = True
             return
-        count = min(self.num_logged_images, len(dataset))
-        batch = pl_module.transfer_batch_to_device(default_collate([dataset[i] for i in range(count)]),
-                                                   pl_module.device, 0)
-        request = pl_module.lpa3_request(batch)
-        if request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
-            return  # not images: nothing to draw
-        x_adv, _ = self._attack(pl_module, request.inputs, request.targets)
+        # The picture must not change the run: its random draws (transforms, solver noise)
+        # come from a forked global generator and a generator of its own.
+        with torch.random.fork_rng(devices=[]):
+            count = min(self.num_logged_images, len(dataset))
+            batch = pl_module.transfer_batch_to_device(default_collate([dataset[i] for i in range(count)]),
+                                                       pl_module.device, 0)
+            request = pl_module.lpa3_request(batch)
+            if request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
+                return  # not images: the logged perceptual distance is the picture
+            model = unwrap_compiled(pl_module.lpa3_model())
+            x_adv = lpa3_attack(
+                model, request.inputs, request.targets, sigma=self.sigma, steps=self.steps, lam=self.lam,
+                layers=self.layers, input_range=self._resolved_range, temperature=self.temperature,
+                generator=torch.Generator(device=request.inputs.device).manual_seed(0), project=self.project,
+                bn_mode="eval", logits_fn=pl_module.lpa3_logits, fast=self.fast,
+            )
         normalization = self._resolved_range if isinstance(self._resolved_range, Mapping) else None
         self.last_grid = comparison_grid(request.inputs, x_adv, normalization)
-        logger = trainer.logger
-        if logger is None:
-            return
         if hasattr(logger, "log_image"):
             logger.log_image(key="lpa3/examples", images=[self.last_grid], step=trainer.global_step)
-        elif hasattr(getattr(logger, "experiment", None), "add_image"):
+        else:
             logger.experiment.add_image("lpa3/examples (rows: x, x', |x'-x| stretched)", self.last_grid,
                                         trainer.global_step)
 

@@ -19,15 +19,16 @@ from torchvision.utils import make_grid, save_image
 __all__ = ["comparison_grid", "save_comparison_grid", "to_unit_range"]
 
 
-def to_unit_range(x: Tensor, normalization: Mapping[str, Sequence[float]] | None = None) -> Tensor:
-    """Undo a ``{"mean", "std"}`` normalisation (or min-max scale the batch) into [0, 1]."""
+def to_unit_range(x: Tensor, normalization: Mapping[str, Sequence[float]] | None = None,
+                  bounds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Undo a ``{"mean", "std"}`` normalisation into [0, 1], or map ``bounds = (low, high)`` to [0, 1]."""
     if normalization is not None:
         shape = [1, -1] + [1] * (x.dim() - 2)
         mean = torch.as_tensor(normalization["mean"], dtype=x.dtype, device=x.device).view(shape)
         std = torch.as_tensor(normalization["std"], dtype=x.dtype, device=x.device).view(shape)
         return (x * std + mean).clamp(0, 1)
-    low, high = x.min(), x.max()
-    return (x - low) / (high - low + 1e-12)
+    low, high = (x.min(), x.max()) if bounds is None else bounds
+    return ((x - low) / (high - low + 1e-12)).clamp(0, 1)
 
 
 def comparison_grid(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] | None = None,
@@ -45,9 +46,15 @@ def comparison_grid(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] |
     """
     if x.shape != x_adv.shape or x.dim() != 4 or x.shape[1] not in (1, 3):
         raise ValueError(f"`x` and `x_adv` must be image batches (N, 1 or 3, h, w) of one shape, got "
-                         f"{tuple(x.shape)} and {tuple(x_adv.shape)}.")
+                         f"{tuple(x.shape)} and {tuple(x_adv.shape)}. Fix: pass images (for other inputs plot "
+                         "the perceptual distance instead).")
     x, x_adv = x.detach().float().cpu(), x_adv.detach().float().cpu()
-    clean, augmented = to_unit_range(x, normalization), to_unit_range(x_adv, normalization)
+    # One common scale for both rows (without a normalisation: the joint min and max), so an
+    # unchanged pixel shows the same grey in both and a zero difference.
+    both = torch.cat([x, x_adv])
+    bounds = None if normalization is not None else (both.min(), both.max())
+    clean = to_unit_range(x, normalization, bounds)
+    augmented = to_unit_range(x_adv, normalization, bounds)
     diff = (augmented - clean).abs()
     peak = diff.flatten(1).amax(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1)
     rows = torch.cat([clean, augmented, diff / peak])

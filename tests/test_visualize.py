@@ -32,6 +32,17 @@ def test_grid_rows_are_clean_augmented_and_stretched_difference():
     assert float(to_unit_range(torch.tensor([[-2.0, 2.0]])).max()) == 1.0
 
 
+def test_without_normalization_an_unchanged_image_has_a_zero_difference_row():
+    x = torch.rand(3, 1, 6, 6) * 4 - 2
+    x_adv = x.clone()
+    x_adv[1] += 0.5  # only image 1 changes
+    grid = comparison_grid(x, x_adv, padding=0)
+    diff_row = grid[0, 12:18]
+    assert float(diff_row[:, 0:6].max()) == 0.0 and float(diff_row[:, 12:18].max()) == 0.0
+    assert float(diff_row[:, 6:12].min()) == pytest.approx(1.0)
+    assert torch.equal(grid[0, 0:6, 0:6], grid[0, 6:12, 0:6])  # same grey for the unchanged image
+
+
 def test_saved_png_has_the_grid_size(tmp_path):
     path = save_comparison_grid(tmp_path / "g" / "grid.png", torch.rand(5, 3, 28, 28), torch.rand(5, 3, 28, 28))
     with Image.open(path) as image:
@@ -63,9 +74,24 @@ def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys):
     trainer.save_checkpoint(ckpt)
     main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "6", "--steps", "2"])
     out = capsys.readouterr().out
-    assert "wrote" in out and out.count("label preserved True") == 6
+    assert "wrote" in out and "bn mode eval" in out and out.count("label preserved") == 6
     with Image.open(tmp_path / "show.png") as image:
         assert image.size == (6 * 30 + 2, 3 * 30 + 2)
+
+
+def test_grid_logging_does_not_change_the_training_run(tmp_path):
+    def run(every: int) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0)
+        module = TinyClassifier()
+        callback = LPA3Callback(steps=1, log_images_every_n_epochs=every, num_logged_images=4)
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", callbacks=[callback], deterministic=True,
+                             logger=pl.loggers.TensorBoardLogger(tmp_path, name=f"e{every}"),
+                             enable_progress_bar=False, enable_checkpointing=False)
+        trainer.fit(module, DataLoader(indexed_images(16), batch_size=8, shuffle=True))
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+    plain, logged = run(0), run(1)
+    assert all(torch.equal(plain[k], logged[k]) for k in plain)
 
 
 def test_show_command_refuses_a_missing_checkpoint(tmp_path, capsys):

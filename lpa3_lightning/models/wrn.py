@@ -1,9 +1,12 @@
-"""Wide-ResNet-28-k (Zagoruyko & Komodakis, BMVC 2016), as used by FixMatch and LP-A3's CIFAR rows.
+"""Wide-ResNet-28-k (Zagoruyko & Komodakis, BMVC 2016), the backbone family of FixMatch and
+LP-A3's CIFAR rows.
 
-Pre-activation basic blocks (BN-ReLU-conv3x3), three stages of ``(depth - 4) / 6`` blocks with
-widths ``16k, 32k, 64k``. The stages are named ``block1``, ``block2``, ``block3``: the default
-LP-A3 feature layers (:func:`lpa3_lightning.features.default_feature_layers`), as the
-authors use the outputs of the three WRN blocks. BatchNorm momentum 0.001 as in the
+Pre-activation basic blocks (BN-LeakyReLU-conv3x3), three stages of ``(depth - 4) / 6`` blocks
+with widths ``16k, 32k, 64k``. Written from the paper, not a copy of FixMatch's network: its
+first blocks of stages 2 and 3 and its weight initialisation differ in details. The stages
+are named ``block1``, ``block2``, ``block3``: the default LP-A3 feature layers
+(:func:`lpa3_lightning.features.default_feature_layers`), as the authors use the outputs of
+the three WRN blocks. BatchNorm momentum 0.001 as in the
 FixMatch / LP-A3 WRN (METHOD.md).
 """
 

@@ -39,8 +39,16 @@ def test_table_and_time_to_accuracy(tmp_path):
     assert (tmp_path / "table.md").read_text().strip() == text
     notes = table.plot(results, tmp_path)
     assert notes == [
-        "breastmnist seed 0: baseline best test acc 0.820 at 30 s; LP-A3 reached it at 50 s = 1.67x",
-        "breastmnist seed 1: baseline best test acc 0.840 at 20 s; LP-A3 never reached it",
+        "breastmnist seed 0: baseline test acc 0.820 first at 30 s; LP-A3 reached it at 50 s = 1.67x",
+        "breastmnist seed 1: baseline test acc 0.830 first at 20 s; LP-A3 never reached it",
+        "breastmnist: median time-to-baseline-accuracy ratio 1.67x over 1 seeds; 1 seed(s) never reached it",
     ]
     with Image.open(tmp_path / "time_to_accuracy.png") as image:
         assert image.size[0] > 300 and image.size[1] > 200
+
+
+def test_best_epoch_is_chosen_by_validation_auc_not_test():
+    table = _module()
+    rows = [{"epoch": 0, "val_auc": 0.7, "test_acc": 0.9}, {"epoch": 1, "val_auc": 0.8, "test_acc": 0.6},
+            {"epoch": 2, "val_auc": 0.8, "test_acc": 0.7}]
+    assert table.select_best(rows)["epoch"] == 1  # best validation AUC, earliest on ties
