@@ -393,16 +393,21 @@ class LPA3Callback(Callback):
         if bn_mode == "auto":
             bn_mode = "twin" if has_dual_bn(model) else "eval"
         start = time.perf_counter()
-        x_adv, stats = lpa3_attack(
-            model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
-            input_range=self._resolved_range, temperature=self.temperature, generator=self._generator_for(x),
-            project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,
-            return_stats=True,
-        )
+        x_adv, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
         self._last_solver_seconds = time.perf_counter() - start
         return x_adv, stats
+
+    def _solve(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor,
+               generator: torch.Generator | None, bn_mode: str) -> tuple[Tensor, Any]:
+        """The solver with this callback's settings (training batches and logged grids alike)."""
+        return lpa3_attack(
+            model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
+            input_range=self._resolved_range, temperature=self.temperature, generator=generator,
+            project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
+            return_stats=True,
+        )
 
     def _generator_for(self, x: Tensor) -> torch.Generator | None:
         if self.seed is None:
@@ -460,8 +465,9 @@ class LPA3Callback(Callback):
         # Non-finite predictions would poison a sample's score for good; DistributedSampler's
         # padding repeats samples in a later step of the epoch: apply each sample once an epoch.
         epoch = trainer.current_epoch
-        keep = torch.isfinite(probs).all(dim=1).to(memory.device) & (self._last_update_epoch[indices] != epoch)
-        self._nonfinite_predictions += int((~torch.isfinite(probs).all(dim=1)).sum())
+        finite = torch.isfinite(probs).all(dim=1).to(memory.device)
+        keep = finite & (self._last_update_epoch[indices] != epoch)
+        self._nonfinite_predictions += int((~finite).sum())
         self._last_update_epoch[indices[keep]] = epoch
         keep_dev = keep.to(probs.device)
         memory.update(indices[keep], probs[keep_dev], None if targets is None else targets[keep_dev])
@@ -504,12 +510,8 @@ class LPA3Callback(Callback):
             if request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
                 return  # not images: the logged perceptual distance is the picture
             model = unwrap_compiled(pl_module.lpa3_model())
-            x_adv = lpa3_attack(
-                model, request.inputs, request.targets, sigma=self.sigma, steps=self.steps, lam=self.lam,
-                layers=self.layers, input_range=self._resolved_range, temperature=self.temperature,
-                generator=torch.Generator(device=request.inputs.device).manual_seed(0), project=self.project,
-                bn_mode="eval", logits_fn=pl_module.lpa3_logits, fast=self.fast,
-            )
+            x_adv, _ = self._solve(pl_module, model, request.inputs, request.targets,
+                                   torch.Generator(device=request.inputs.device).manual_seed(0), "eval")
         normalization = self._resolved_range if isinstance(self._resolved_range, Mapping) else None
         self.last_grid = comparison_grid(request.inputs, x_adv, normalization)
         if hasattr(logger, "log_image"):

@@ -94,6 +94,22 @@ def _all_gather_padded(t: Tensor, sizes: list[int]) -> Tensor:
     return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
+def _gather_by_index(indices: Tensor, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """All-gather ``indices`` and row-aligned ``tensors`` from every rank, first index occurrence kept.
+
+    One size exchange serves every tensor; ``None`` entries pass through as ``None``.
+    """
+    home, device = indices.device, communication_device()  # gloo: CPU tensors; nccl: this rank's GPU
+    size = torch.tensor([indices.shape[0]], device=device)
+    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes_t, size)
+    sizes = [int(s) for s in sizes_t]
+    all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
+    keep = deduplicate_first(all_indices)
+    gathered = [None if t is None else _all_gather_padded(t.to(device), sizes)[keep].to(home) for t in tensors]
+    return (all_indices[keep].to(home), *gathered)
+
+
 def gather_predictions(
     indices: Tensor, probs: Tensor, targets: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -112,18 +128,8 @@ def gather_predictions(
     """
     if not is_distributed():
         return indices, probs, targets
-    home = probs.device
-    device = communication_device()  # gloo: CPU tensors; nccl: this rank's GPU
-    size = torch.tensor([indices.shape[0]], device=device)
-    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes_t, size)
-    sizes = [int(s) for s in sizes_t]
-    all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
-    all_probs = _all_gather_padded(probs.to(device, torch.float32), sizes)
-    all_targets = None if targets is None else _all_gather_padded(targets.to(device, torch.long), sizes)
-    keep = deduplicate_first(all_indices)
-    out_targets = None if all_targets is None else all_targets[keep].to(home)
-    return all_indices[keep].to(home), all_probs[keep].to(home), out_targets
+    return _gather_by_index(indices.to(probs.device), probs.float(),  # type: ignore[return-value]
+                            None if targets is None else targets.to(probs.device, torch.long))
 
 
 def gather_rows(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -134,12 +140,4 @@ def gather_rows(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     """
     if not is_distributed():
         return indices, rows
-    home, device = rows.device, communication_device()
-    size = torch.tensor([indices.shape[0]], device=device)
-    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes_t, size)
-    sizes = [int(s) for s in sizes_t]
-    all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
-    all_rows = _all_gather_padded(rows.to(device), sizes)
-    keep = deduplicate_first(all_indices)
-    return all_indices[keep].to(home), all_rows[keep].to(home)
+    return _gather_by_index(indices.to(rows.device), rows)  # type: ignore[return-value]
