@@ -193,6 +193,45 @@ def _per_sample(v: Tensor, x: Tensor) -> Tensor:
     return v.reshape([-1] + [1] * (x.dim() - 1))
 
 
+@contextlib.contextmanager
+def _full_float32(device: torch.device, enabled: bool = True) -> Iterator[None]:
+    """TF32 off for cuDNN convolutions and cuBLAS matrix products on CUDA, restored after.
+
+    Uses the precision settings a user is most likely to have touched: torch >= 2.9's
+    ``fp32_precision`` (which refuses to be mixed with the older ``allow_tf32`` flags, and
+    which ``torch.set_float32_matmul_precision`` also sets), else the ``allow_tf32`` flags.
+    """
+    if device.type != "cuda" or not enabled:
+        yield
+        return
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    matmul = torch.backends.cuda.matmul
+    if conv is not None and hasattr(conv, "fp32_precision") and hasattr(matmul, "fp32_precision"):
+        saved = (conv.fp32_precision, matmul.fp32_precision)
+        conv.fp32_precision = matmul.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision, matmul.fp32_precision = saved
+        return
+    saved_flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved_flags
+
+
+def check_max_step(max_step: float | None) -> None:
+    """Raise a ValueError naming ``max_step`` unless it is None or a positive finite number."""
+    if max_step is None:
+        return
+    if isinstance(max_step, bool) or not isinstance(max_step, (int, float)) or not math.isfinite(max_step) \
+            or max_step <= 0:
+        raise ValueError(f"`max_step` must be None (unbounded, the authors' step) or a positive finite number, got "
+                         f"{max_step!r}. Fix: use e.g. max_step=1.0, or None.")
+
+
 def lpa3_attack(
     model: nn.Module,
     x: Tensor,
@@ -210,6 +249,8 @@ def lpa3_attack(
     bn_mode: Literal["eval", "twin"] = "eval",
     logits_fn: Callable[[Any], Tensor] | None = None,
     fast: bool = False,
+    max_step: float | None = None,
+    allow_tf32: bool = False,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, AttackStats]:
     """Generate LP-A3 hard positives ``x'`` for a batch.
@@ -247,12 +288,23 @@ def lpa3_attack(
             if none is feasible) instead of a bisection: ``steps + 3`` forwards and ``steps``
             input-gradient backwards, against ``2 * steps + 1`` forwards and ``steps`` full
             backwards for the authors' loop.
+        max_step: largest L2 length of one solver step in input space (not the authors'; None,
+            the default, is their unbounded step). The authors' step is ``sigma`` divided by
+            the finite-difference slope of ``log p``; where the model is saturated the slope is
+            ~0 and one step jumps to the edge of the input box (x' becomes clipped noise that
+            still keeps the label). A bound such as ``1.0`` keeps each step within ten times
+            the length over which the slope was measured (0.1).
+        allow_tf32: let the solver's convolutions and matrix products use TF32 on CUDA (the
+            precision the rest of the run uses). False (default): full float32 inside the
+            solver, because TF32's ~3 significant digits are the scale of sigma itself.
         return_stats: also return :class:`AttackStats`.
 
     Returns:
         ``x'`` detached, with the shape, dtype and device of ``x``; and the stats if asked.
         The solver itself runs in the model's parameter dtype with autocast off (float32
-        under mixed precision); a lower-precision ``x`` is cast back after the check.
+        under mixed precision) and, on CUDA, TF32 off (``allow_tf32``); a lower-precision ``x`` is cast back
+        after the check. The constraint holds as the solver's forward computes it: another
+        forward (other batch size, other kernels) can differ by float32 rounding (~1e-6).
 
     Raises:
         ValueError: on a bad argument (naming it and the fix).
@@ -271,6 +323,9 @@ def lpa3_attack(
     model = unwrap_compiled(model)
     if isinstance(bisection_steps, bool) or not isinstance(bisection_steps, int) or bisection_steps < 1:
         raise ValueError(f"`bisection_steps` must be an int >= 1, got {bisection_steps!r}. Fix: use 8.")
+    check_max_step(max_step)
+    if not isinstance(allow_tf32, bool):
+        raise ValueError(f"`allow_tf32` must be True or False, got {allow_tf32!r}. Fix: use False (full float32).")
     y = y.long()
     n = x.shape[0]
     if n == 0:
@@ -285,6 +340,9 @@ def lpa3_attack(
     # (float32 under "bf16-mixed" / "16-mixed"). The margin sigma (0.002 to 0.02 in log p)
     # and the finite-difference slope are below what bfloat16 resolves (~3 significant
     # digits), so a reduced-precision attack would make the constraint check meaningless.
+    # For the same reason TF32 (on by default for cuDNN convolutions on NVIDIA GPUs, ~3 digits)
+    # is off inside the solver: measured on an H200, with it a re-evaluation of x' broke the
+    # constraint by more than float noise on 2 of 64 samples.
     x = x.detach().to(_parameter_dtype(model, x.dtype))
     bounds = resolve_input_range(input_range, x)
     feats = PerceptualFeatures(model, layers=layers, logits_fn=logits_fn)
@@ -292,7 +350,8 @@ def lpa3_attack(
     def clamp(v: Tensor) -> Tensor:
         return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
 
-    with _attack_mode(model, bn_mode), torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+    with _attack_mode(model, bn_mode), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
+            _full_float32(x.device, enabled=not allow_tf32):
         with torch.no_grad():
             logits0, phi0 = feats(x)
             if logits0.dim() != 2 or int(y.max()) >= logits0.shape[1] or int(y.min()) < 0:
@@ -325,7 +384,10 @@ def lpa3_attack(
                     logp_fd = _label_logp(feats.logits_fn(logits_fd), y, temperature)
                     slope = (logp - logp_fd).abs() / FD_STEP
                 # fast: the first step's slope is reused (no extra forward after step 0)
-                delta = clamp(x + delta - g_hat * _per_sample(step / (slope + SLOPE_EPS), x).to(x.dtype)) - x
+                length = step / (slope + SLOPE_EPS)
+                if max_step is not None:
+                    length = length.clamp(max=max_step)
+                delta = clamp(x + delta - g_hat * _per_sample(length, x).to(x.dtype)) - x
 
         with torch.no_grad():
             evaluate = _Evaluator(feats, x, y, phi0, temperature)

@@ -101,6 +101,11 @@ class AugmentationCache:
         written = self.written[self._check_indices(indices)]
         return ((written >= 0) & (epoch - written < self.every_n_epochs)).to(indices.device)
 
+    def reusable_from_before(self, epoch: int) -> bool:
+        """Whether any entry written before ``epoch`` is still fresh in it."""
+        written = self.written
+        return bool(((written >= 0) & (written < epoch) & (epoch - written < self.every_n_epochs)).any())
+
     def get(self, indices: Tensor) -> Tensor:
         """The stored ``x'`` of ``indices`` (CPU); only valid for entries reported fresh."""
         if self.storage is None:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
-from lpa3_lightning.attack import InputRange, check_solver_arguments, lpa3_attack
+from lpa3_lightning.attack import InputRange, check_max_step, check_solver_arguments, lpa3_attack
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
 from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
@@ -86,6 +86,16 @@ class LPA3Callback(Callback):
             global generator.
         regenerate_every_n_epochs: ``K`` of the paper's appendix: a sample's ``x'`` is kept
             and reused for ``K`` epochs before it is generated again (1: no cache).
+        attack_new_selections: with a cache (``K > 1``), whether a selected sample that has no
+            cached ``x'`` is attacked in any epoch (True, default) or only in the regeneration
+            epochs ``warmup_epochs + m K`` (False): between those it gets no ``x'``, so the
+            solver runs once every ``K`` epochs and the epochs between cost at most
+            ``1 + ratio`` times a plain one. TCS selection changes from epoch to epoch, so with
+            True the solver also runs between regenerations, for the newly selected samples;
+            with False the share of a batch that gets ``x'`` shrinks over each window (only
+            samples selected now and in the regeneration epoch; ``lpa3/selected_fraction``
+            logs that share). An epoch with nothing left to reuse from earlier ones (a file
+            cache restarts empty on resume) regenerates too.
         cache_max_bytes: largest in-memory cache; beyond it a memory-mapped file is used.
         cache_dir: folder of that file; None uses ``<trainer.default_root_dir>/lpa3_cache``.
             Under DDP every rank holds the whole cache (new ``x'`` are all-gathered).
@@ -101,6 +111,11 @@ class LPA3Callback(Callback):
         num_logged_images: how many images the grid shows.
         fast: the cheaper solver of :func:`~lpa3_lightning.attack.lpa3_attack` (``fast=True``):
             one finite-difference forward in all, farthest feasible iterate instead of a bisection.
+        max_step: largest L2 length of one solver step (see
+            :func:`~lpa3_lightning.attack.lpa3_attack`); None (default) is the authors'
+            unbounded step, which turns samples the model is saturated on into clipped noise.
+        allow_tf32: let the solver use TF32 on CUDA; False (default) computes it in full
+            float32 (see :func:`~lpa3_lightning.attack.lpa3_attack`).
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -128,12 +143,15 @@ class LPA3Callback(Callback):
         tcs_initial_memory: Literal["uniform", "authors"] = "uniform",
         seed: int | None = None,
         regenerate_every_n_epochs: int = 1,
+        attack_new_selections: bool = True,
         cache_max_bytes: int = DEFAULT_MAX_BYTES,
         cache_dir: str | None = None,
         restore_rng: bool = True,
         log_images_every_n_epochs: int = 0,
         num_logged_images: int = 8,
         fast: bool = False,
+        max_step: float | None = None,
+        allow_tf32: bool = False,
     ) -> None:
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
@@ -154,6 +172,11 @@ class LPA3Callback(Callback):
         if not isinstance(fast, bool):
             raise ValueError(f"`fast` must be True or False, got {fast!r}.")
         self.fast = fast
+        check_max_step(max_step)
+        self.max_step = max_step
+        if not isinstance(allow_tf32, bool):
+            raise ValueError(f"`allow_tf32` must be True or False, got {allow_tf32!r}. Fix: use False.")
+        self.allow_tf32 = allow_tf32
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be None or an int, got {seed!r}.")
         if layers is not None and not isinstance(layers, (str, Sequence)):
@@ -186,6 +209,9 @@ class LPA3Callback(Callback):
         self.last_grid: Tensor | None = None
         self._warned_grid = False
         self.regenerate_every_n_epochs = regenerate_every_n_epochs
+        if not isinstance(attack_new_selections, bool):
+            raise ValueError(f"`attack_new_selections` must be True or False, got {attack_new_selections!r}.")
+        self.attack_new_selections = attack_new_selections
         self.cache_max_bytes = cache_max_bytes
         self.cache_dir = cache_dir
         self.cache: AugmentationCache | None = None
@@ -369,8 +395,14 @@ class LPA3Callback(Callback):
         epoch = trainer.current_epoch
         reuse = self.cache.fresh(idx, epoch) if self.cache is not None else torch.zeros_like(mask[mask])
         new = ~reuse
-        if int(new.sum()) == 1:  # batch statistics need two samples: a lone new one waits
-            keep = reuse
+        keep = torch.ones_like(reuse)
+        if self.cache is not None and not self.attack_new_selections and not self._regeneration_epoch(epoch):
+            keep = reuse  # the solver runs in regeneration epochs only
+        elif int(new.sum()) == 1:
+            keep = reuse  # the solver's batch statistics need two samples: a lone new one waits
+        if int(keep.sum()) == 1:
+            keep = torch.zeros_like(keep)  # nor may a lone x' meet the module's train-mode BatchNorm
+        if not bool(keep.all()):
             mask = mask.clone()
             mask[mask.nonzero().flatten()[~keep]] = False
             x, y, idx, reuse, new = x[keep], y[keep], idx[keep], reuse[keep], new[keep]
@@ -386,6 +418,13 @@ class LPA3Callback(Callback):
             all_idx, all_new = gather_rows(idx[new], x_new.detach())
             self.cache.put(all_idx, all_new, epoch)
         return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()))
+
+    def _regeneration_epoch(self, epoch: int) -> bool:
+        # every K epochs after the warm-up; also when nothing from earlier epochs is left to
+        # reuse (a file cache restarts empty on resume; K or warmup_epochs changed)
+        if (epoch - self.warmup_epochs) % self.regenerate_every_n_epochs == 0:
+            return True
+        return self.cache is not None and not self.cache.reusable_from_before(epoch)
 
     def _attack(self, pl_module: pl.LightningModule, x: Tensor, y: Tensor) -> tuple[Tensor, Any]:
         model = unwrap_compiled(pl_module.lpa3_model())
@@ -406,6 +445,7 @@ class LPA3Callback(Callback):
             model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
             input_range=self._resolved_range, temperature=self.temperature, generator=generator,
             project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
+            max_step=self.max_step, allow_tf32=self.allow_tf32,
             return_stats=True,
         )
 
@@ -431,10 +471,11 @@ class LPA3Callback(Callback):
         if augmented.stats is not None and len(augmented.stats.preserved):
             stats = augmented.stats
             # per-sample statistics: averaged over the attacked samples, not the whole batch
+            # tensors, not floats: Lightning accumulates them without a host copy here
             pl_module.log_dict({
-                "lpa3/perceptual_distance": float(stats.perceptual_distance.mean()),
-                "lpa3/label_preserved": float(stats.preserved.float().mean()),
-                "lpa3/projected": float(stats.projected.float().mean()),
+                "lpa3/perceptual_distance": stats.perceptual_distance.mean(),
+                "lpa3/label_preserved": stats.preserved.float().mean(),
+                "lpa3/projected": stats.projected.float().mean(),
             }, on_step=True, on_epoch=True, batch_size=len(augmented))
             pl_module.log("lpa3/solver_seconds", self._last_solver_seconds, on_step=True, on_epoch=True, batch_size=1)
 

@@ -12,6 +12,7 @@ perceptual distance, the log-probability drop and whether the label was preserve
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -41,12 +42,17 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--sigma", default=0.02, type=float)
     parser.add_argument("--steps", default=5, type=int)
     parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--max-step", default=None, type=float,
+                        help="largest L2 length of one solver step (default: unbounded, the authors' step)")
     args = parser.parse_args(argv)
     if not args.ckpt.is_file():
         parser.error(f"--ckpt {args.ckpt} does not exist. Fix: pass a checkpoint written by `lpa3 fit` "
                      "(see the run's checkpoints/ folder).")
     if args.num < 1:
         parser.error("--num must be >= 1")
+    if args.max_step is not None and not (math.isfinite(args.max_step) and args.max_step > 0):
+        parser.error(f"--max-step must be a positive finite number, got {args.max_step}. Fix: e.g. --max-step 1.0, or leave "
+                     "it out for the authors' unbounded step.")
     checkpoint = torch.load(args.ckpt, map_location="cpu", weights_only=False)
     data_hparams = checkpoint.get("datamodule_hyper_parameters", {})
     flag = args.flag or data_hparams.get("flag", "breastmnist")
@@ -66,11 +72,11 @@ def main(argv: list[str] | None = None) -> Path:
     dataset = {"train": data.train_dataset, "val": data.val_dataset, "test": data.test_dataset}[args.split]
     x, y, _ = default_collate([dataset[i] for i in range(min(args.num, len(dataset)))])
     x_adv, stats = lpa3_attack(module.model, x, y, sigma=args.sigma, steps=args.steps,
-                               input_range=data.normalization, bn_mode=args.bn_mode,
+                               input_range=data.normalization, bn_mode=args.bn_mode, max_step=args.max_step,
                                generator=torch.Generator().manual_seed(args.seed), return_stats=True)
     path = save_comparison_grid(args.out, x, x_adv, data.normalization)
     print(f"wrote {path} (rows: x, x', |x' - x| stretched per image; {len(y)} {args.split} images of {flag}; "
-          f"bn mode {args.bn_mode}, sigma {args.sigma}, {args.steps} steps)")
+          f"bn mode {args.bn_mode}, sigma {args.sigma}, {args.steps} steps, max step {args.max_step})")
     for i in range(len(y)):
         print(f"  image {i}: label {int(y[i])}, perceptual distance {float(stats.perceptual_distance[i]):.3f}, "
               f"log p drop {float(stats.logp_drop[i]):+.4f}, label preserved {bool(stats.preserved[i])}")

@@ -362,3 +362,92 @@ def test_fast_mode_keeps_the_constraint_and_moves_away_from_x(sigma):
     drop = _logp(net, x, y) - _logp(net, x_adv, y)
     assert bool((drop <= sigma + 1e-6).all()) and bool(stats.preserved.all())
     assert float(stats.perceptual_distance.mean()) > 0.1
+
+
+# ------------------------------------------------------------------ max_step (not the authors')
+def test_max_step_bounds_the_distance_where_the_authors_step_jumps():
+    """On a saturated model the slope is ~0 and the authors' step sigma/slope is huge; max_step caps it."""
+    net = confident_cnn()
+    x, y = confident_batch()
+    free, free_stats = lpa3_attack(net, x, y, return_stats=True, generator=torch.Generator().manual_seed(0))
+    capped, stats = lpa3_attack(net, x, y, max_step=0.5, return_stats=True, generator=torch.Generator().manual_seed(0))
+    # start noise (+-0.01 per value) plus 5 steps of at most 0.5; a bisection only shortens
+    bound = 0.01 * x[0].numel() ** 0.5 + 5 * 0.5
+    assert float(stats.l2.max()) <= bound + 1e-4
+    assert float(free_stats.l2.max()) > 2 * bound  # what the cap prevents on this model
+    assert bool(stats.preserved.all())
+    assert float(stats.perceptual_distance.mean()) > 0
+
+
+def test_a_max_step_longer_than_any_step_changes_nothing_and_a_short_one_does():
+    torch.manual_seed(0)
+    net = small_cnn()
+    x, y = _batch()
+
+    def attack(**kwargs):
+        return lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0), **kwargs)
+
+    default = attack()
+    assert torch.equal(attack(max_step=1e30), default)
+    assert not torch.equal(attack(max_step=1e-3), default)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_max_step_is_validated(bad):
+    net = small_cnn()
+    x, y = _batch(2)
+    with pytest.raises(ValueError, match="max_step"):
+        lpa3_attack(net, x, y, max_step=bad)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_allow_tf32_is_validated(bad):
+    net = small_cnn()
+    x, y = _batch(2)
+    with pytest.raises(ValueError, match="allow_tf32"):
+        lpa3_attack(net, x, y, allow_tf32=bad)
+
+
+def _precision_state() -> tuple:
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        try:  # torch itself refuses this read after some mixes of its old and new settings
+            generic = torch.get_float32_matmul_precision()
+        except RuntimeError:
+            generic = "unreadable"
+        return conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision, generic
+    return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+
+@pytest.mark.parametrize("setting", ["default", "medium", "new_api", "legacy"])
+def test_tf32_switch_restores_every_way_of_setting_precision(setting):
+    """The CUDA branch only flips flags, so it runs on a CPU build too (no kernel is launched)."""
+    from lpa3_lightning.attack import _full_float32
+
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    has_new_api = conv is not None and hasattr(conv, "fp32_precision")
+    if setting in ("new_api",) and not has_new_api:
+        pytest.skip("this torch has no fp32_precision settings")
+    before_test = _precision_state()
+    try:
+        if setting == "medium":
+            torch.set_float32_matmul_precision("medium")
+        elif setting == "new_api":
+            conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "tf32"
+        elif setting == "legacy":
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        before = _precision_state()
+        with pytest.raises(KeyError), _full_float32(torch.device("cuda")):
+            if has_new_api:
+                assert (conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == ("ieee", "ieee")
+            else:
+                assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+            raise KeyError("restored on the way out too")
+        assert _precision_state() == before  # also: as readable as before
+        with _full_float32(torch.device("cpu")):
+            assert _precision_state() == before  # nothing to do on the CPU
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        if has_new_api:
+            conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = before_test[:2]
+        assert _precision_state() == before_test

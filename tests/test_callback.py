@@ -332,7 +332,8 @@ def test_logits_width_must_match_num_classes(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [({"project": "no"}, "project"), ({"seed": 1.5}, "seed"),
-                                                ({"layers": 3}, "layers")])
+                                                ({"layers": 3}, "layers"), ({"max_step": 0}, "max_step"),
+                                                ({"max_step": "1"}, "max_step"), ({"allow_tf32": 1}, "allow_tf32")])
 def test_constructor_checks_types(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LPA3Callback(**kwargs)
@@ -593,3 +594,92 @@ def test_fast_solver_in_a_trainer_reaches_the_attack(tmp_path, monkeypatch):
     assert seen and all(seen) and sum(module.seen_augmented) > 0
     with pytest.raises(ValueError, match="fast"):
         LPA3Callback(fast="yes")
+
+
+def test_max_step_reaches_the_solver(tmp_path, monkeypatch):
+    import lpa3_lightning.callback as callback_module
+
+    seen = []
+    real = callback_module.lpa3_attack
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["max_step"], kwargs["allow_tf32"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(callback_module, "lpa3_attack", spy)
+    pl.seed_everything(0)
+    trainer = _trainer(tmp_path, [LPA3Callback(ratio=1.0, steps=1, max_step=0.25, allow_tf32=True)], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    assert seen and set(seen) == {(0.25, True)}
+
+
+@pytest.mark.parametrize("attack_new", [True, False])
+def test_attack_new_selections_false_runs_the_solver_in_regeneration_epochs_only(tmp_path, monkeypatch, attack_new):
+    import lpa3_lightning.callback as callback_module
+
+    attacked_per_epoch: dict[int, int] = {}
+    original = callback_module.lpa3_attack
+
+    class Counter(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.epoch = trainer.current_epoch
+
+    counter = Counter()
+
+    def counting(model, x, y, **kwargs):
+        attacked_per_epoch[counter.epoch] = attacked_per_epoch.get(counter.epoch, 0) + x.shape[0]
+        return original(model, x, y, **kwargs)
+
+    monkeypatch.setattr(callback_module, "lpa3_attack", counting)
+    pl.seed_everything(0)
+    module = RecordsAugmented()
+    # warm-up epoch 0; regeneration epochs 1 and 4 (warmup + m K); half the samples selected
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, warmup_epochs=1, regenerate_every_n_epochs=3,
+                            attack_new_selections=attack_new)
+    trainer = _trainer(tmp_path, [counter, callback], max_epochs=5)
+    trainer.fit(module, _loader())
+    assert attacked_per_epoch.get(1, 0) > 0 and attacked_per_epoch.get(4, 0) > 0
+    between = attacked_per_epoch.get(2, 0) + attacked_per_epoch.get(3, 0)
+    if attack_new:
+        assert between > 0  # the selection moved: newly selected samples were attacked
+    else:
+        assert between == 0
+        # between regenerations a sample trains on the x' made for it in epoch 1 or on none;
+        # at most 4 receipts (epochs 1-4), all but the regenerated last one equal to the first
+        received_between = 0
+        for received in module.received.values():
+            assert len(received) <= 4
+            same = [torch.equal(x_adv, received[0]) for x_adv in received]
+            received_between += sum(same) - 1
+            assert all(same[:-1])
+        assert received_between > 0  # the cache was used
+    with pytest.raises(ValueError, match="attack_new_selections"):
+        LPA3Callback(attack_new_selections="no")
+
+
+def test_lazy_cache_regenerates_when_nothing_is_left_to_reuse(tmp_path):
+    """A file cache restarts empty on resume: the next epoch must regenerate, not go without x'."""
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=4, attack_new_selections=False)
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(TinyClassifier(), _loader())
+    assert int(callback.cache.written.max()) == 0  # written in the regeneration epoch 0 only
+    assert not callback._regeneration_epoch(1) and not callback._regeneration_epoch(3)
+    assert callback._regeneration_epoch(4)
+    callback.cache.written.fill_(-1)  # what a restarted file cache holds
+    assert callback._regeneration_epoch(2)
+    callback.cache.written[:5] = 2  # entries of the current epoch do not count as reusable
+    assert callback._regeneration_epoch(2) and not callback._regeneration_epoch(3)
+
+
+def test_a_lone_cached_x_prime_is_not_trained_alone(tmp_path):
+    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
+    module = TinyClassifier()
+    trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
+    trainer.fit(module, _loader(16, 16, shuffle=False))
+    callback.cache.written[:] = -1
+    callback.cache.written[0] = 0  # sample 0 cached, sample 1 new (a lone new one waits)
+    from lpa3_lightning.augmented import LPA3Request
+
+    request = LPA3Request(torch.randn(2, 1, 28, 28), torch.zeros(2, dtype=torch.long), torch.arange(2))
+    augmented = callback._augment(trainer, module, request, torch.ones(2, dtype=torch.bool))
+    assert len(augmented) == 0 and not bool(augmented.mask.any())

@@ -22,7 +22,8 @@ def _instantiate(config: Path, *overrides: str) -> LPA3CLI:
 @pytest.mark.parametrize(
     ("name", "ratio", "randaugment"),
     [("baseline", None, False), ("randaugment", None, True), ("lpa3_tau0.2", 0.2, False),
-     ("lpa3_tau0.5", 0.5, False), ("lpa3_tau0.9", 0.9, False), ("demo_breastmnist_lpa3", 0.3, False)],
+     ("lpa3_tau0.5", 0.5, False), ("lpa3_tau0.9", 0.9, False), ("lpa3_maxstep1", 0.5, False),
+     ("demo_breastmnist_lpa3", 0.3, False)],
 )
 def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path):
     cli = _instantiate(CONFIGS / f"{name}.yaml", f"--trainer.default_root_dir={tmp_path}",
@@ -33,6 +34,7 @@ def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path
         assert not callbacks
     else:
         assert len(callbacks) == 1 and callbacks[0].ratio == ratio and callbacks[0].sigma == 0.02
+        assert callbacks[0].max_step == (1.0 if name == "lpa3_maxstep1" else None)
     assert cli.datamodule.hparams.randaugment is randaugment
     if not name.startswith("demo"):
         assert cli.trainer.max_epochs == 100 and list(cli.model.hparams.milestones) == [50, 75]

@@ -77,6 +77,12 @@ def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys):
     assert "wrote" in out and "bn mode eval" in out and out.count("label preserved") == 6
     with Image.open(tmp_path / "show.png") as image:
         assert image.size == (6 * 30 + 2, 3 * 30 + 2)
+    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "capped.png"), "--num", "2", "--steps", "1",
+          "--max-step", "0.5"])
+    assert "max step 0.5" in capsys.readouterr().out and (tmp_path / "capped.png").is_file()
+    with pytest.raises(SystemExit):
+        main(["show", "--ckpt", str(ckpt), "--max-step", "0"])
+    assert "--max-step" in capsys.readouterr().err
 
 
 def test_grid_logging_does_not_change_the_training_run(tmp_path):

@@ -1,0 +1,112 @@
+"""The same behaviour on a CUDA GPU: solver invariants, mixed precision, cache and resume.
+
+The rest of the suite runs on the CPU (CI has no GPU). These tests need one and are skipped
+without it, with the reason; run them on a GPU machine with ``pytest tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lpa3_lightning import LPA3Callback, LPA3Classifier, lpa3_attack
+from lpa3_lightning.data import MedMNISTDataModule
+from tests.helpers import snapshot
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (run on a GPU machine: pytest tests/test_gpu.py)")
+
+
+def _trainer(tmp_path, callbacks, max_epochs: int = 2, **kwargs) -> pl.Trainer:
+    return pl.Trainer(default_root_dir=tmp_path, max_epochs=max_epochs, accelerator="gpu", devices=1,
+                      callbacks=callbacks, logger=pl.loggers.CSVLogger(tmp_path), enable_progress_bar=False,
+                      enable_model_summary=False, log_every_n_steps=1, limit_val_batches=0,
+                      num_sanity_val_steps=0, **kwargs)
+
+
+def _breast(batch_size: int = 64) -> MedMNISTDataModule:
+    return MedMNISTDataModule("breastmnist", batch_size=batch_size)  # the embedded copy
+
+
+def test_attack_on_gpu_keeps_the_model_unchanged_and_the_label():
+    torch.manual_seed(0)
+    module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2).cuda().train()
+    model = module.model
+    x = torch.rand(32, 1, 28, 28, device="cuda") * 2 - 1
+    y = torch.randint(0, 2, (32,), device="cuda")
+    before = snapshot(model)
+
+    def attack():
+        return lpa3_attack(model, x, y, bn_mode="twin", input_range=(-1.0, 1.0), return_stats=True,
+                           generator=torch.Generator("cuda").manual_seed(0))
+
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True  # bitwise repeatable kernels (PyTorch's reproducibility notes)
+    try:
+        (x_adv, stats), (again, _) = attack(), attack()
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+    assert x_adv.is_cuda and x_adv.shape == x.shape
+    assert bool(stats.preserved.all())
+    assert float((x_adv - x).abs().max()) > 0
+    assert torch.equal(x_adv, again)  # a seeded CUDA generator gives the same x'
+    assert model.training and all(p.grad is None for p in model.parameters())
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_constraint_holds_on_a_fresh_forward_with_tf32_on_outside():
+    """TF32 (cuDNN's default) is switched off inside the solver and restored after it."""
+    torch.manual_seed(0)
+    model = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2).model.cuda().eval()
+    x = torch.rand(64, 1, 28, 28, device="cuda") * 2 - 1
+    y = torch.randint(0, 2, (64,), device="cuda")
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, True
+    try:
+        x_adv = lpa3_attack(model, x, y, sigma=0.02, input_range=(-1.0, 1.0),
+                            generator=torch.Generator("cuda").manual_seed(0))
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32  # restored
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = False, False
+        with torch.no_grad():  # one forward of all 64, as a user would check it
+            drop = (model(x).log_softmax(1) - model(x_adv).log_softmax(1)).gather(1, y[:, None]).flatten()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    assert float(drop.max()) <= 0.02 + 1e-5
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+def test_fit_on_gpu_in_each_precision(tmp_path, precision):
+    pl.seed_everything(0)
+    module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2)
+    callback = LPA3Callback(ratio=0.5, steps=3, seed=0)
+    trainer = _trainer(tmp_path, [callback], precision=precision, limit_train_batches=4)
+    trainer.fit(module, datamodule=_breast())
+    metrics = trainer.callback_metrics
+    # the solver runs in float32 with autocast off, so the constraint holds in every precision
+    assert float(metrics["lpa3/label_preserved_epoch"]) == 1.0
+    assert float(metrics["lpa3/perceptual_distance_epoch"]) > 0
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    assert 4 * 64 <= int(callback.tcs.seen.sum()) <= 546  # each epoch recorded 4 batches of 64 samples
+    assert callback.tcs.memory.device.type == "cpu"  # N x C floats stay off the GPU
+
+
+def test_cache_and_checkpoint_resume_on_gpu(tmp_path):
+    pl.seed_everything(0)
+    module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2)
+    callback = LPA3Callback(ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2)
+    trainer = _trainer(tmp_path, [callback], limit_train_batches=3)
+    trainer.fit(module, datamodule=_breast())
+    assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) > 0  # epoch 1 reused epoch 0's x'
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved_seen = int(callback.state_dict()["tcs"]["seen"].sum())
+
+    resumed = LPA3Callback(ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2)
+    trainer2 = _trainer(tmp_path, [resumed], max_epochs=3, limit_train_batches=3)
+    trainer2.fit(LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2), datamodule=_breast(),
+                 ckpt_path=ckpt)
+    assert trainer2.current_epoch == 3
+    assert int(resumed.tcs.seen.sum()) >= saved_seen  # restored, then extended by epoch 2
+    assert float(trainer2.callback_metrics["lpa3/label_preserved_epoch"]) == 1.0
