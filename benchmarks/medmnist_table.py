@@ -1,14 +1,21 @@
 """The paper's MedMNIST rows on real data: ResNet-18 baseline, + RandAugment, + LP-A3.
 
     python benchmarks/medmnist_table.py --flags breastmnist --seeds 0 1 2 --epochs 12 \\
-        [--root ../shared/data/medmnist] [--out docs/medmnist_runs]
+        [--methods baseline randaugment lpa3] [--root ../shared/data/medmnist] [--out docs/medmnist_runs]
+    # on a GPU, several runs at once, a per-flag budget and a deadline:
+    python benchmarks/medmnist_table.py --flags breastmnist pneumoniamnist --epochs 100 \\
+        --flag-epochs pneumoniamnist=30 --accelerator gpu --jobs 12 --deadline 330 --out runs/gpu
 
 The MedMNIST recipe (MedMNIST v2 benchmark): ResNet-18 with the 28 px stem, Adam 1e-3, batch
 128, LR x0.1 at 50% and 75% of the epochs, the test metrics of the epoch with the best
-validation AUC; here with a CPU epoch budget (``--epochs``, the paper uses 100). RandAugment
-N=3, M=5; LP-A3 sigma 0.02, tau 0.5 (from the paper's {0.2, 0.5, 0.9}), twin BN. After every
-epoch the test set is evaluated too, with the wall-clock time, for the time-to-accuracy plot.
-Writes one JSON per run, ``table.md`` (mean +- std over seeds) and ``time_to_accuracy.png``.
+validation AUC; ``--epochs`` is the budget (the paper uses 100). RandAugment N=3, M=5; LP-A3
+sigma 0.02 with tau (``ratio``) 0.5 (``lpa3``) or the paper's other values 0.2 / 0.9
+(``lpa3_tau0.2``, ``lpa3_tau0.9``); the paper tunes tau per data set, which the table does on
+the validation AUC when several are run. After every epoch the validation and test sets are
+evaluated with the wall-clock time, for the time-to-accuracy plot. Writes one JSON per run
+(``*.partial.json`` after every epoch until it ends), ``table.md`` (mean +- std over seeds) and
+``time_to_accuracy.png``. With ``--jobs N`` the runs share the machine, so their wall times
+include the contention: compare the times of runs made side by side, or use step_overhead.py.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,35 +31,54 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = ("baseline", "randaugment", "lpa3")
+#: method name -> (RandAugment on, LP-A3 ratio tau or None, LP-A3 max_step)
+METHODS: dict[str, tuple[bool, float | None, float | None]] = {
+    "baseline": (False, None, None),
+    "randaugment": (True, None, None),
+    "lpa3": (False, 0.5, None),
+    "lpa3_tau0.2": (False, 0.2, None),
+    "lpa3_tau0.9": (False, 0.9, None),
+    # not the paper's: each solver step at most 1.0 long in L2 (see lpa3_attack's max_step)
+    "lpa3_maxstep1": (False, 0.5, 1.0),
+}
 
 
-def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path) -> dict:
+def result_path(out: Path, flag: str, method: str, epochs: int, seed: int) -> Path:
+    return out / f"{flag}_{method}_e{epochs}_seed{seed}.json"  # a rerun reuses only the same budget
+
+
+def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path, accelerator: str = "cpu",
+        stop_at: float | None = None) -> dict:
+    """One training run; ``stop_at`` (a ``time.time()``) ends it early, leaving a partial file."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
-
     from torchmetrics.functional.classification import multiclass_accuracy, multiclass_auroc
 
     from lpa3_lightning import LPA3Callback, LPA3Classifier
     from lpa3_lightning.data import MedMNISTDataModule
 
-    path = out / f"{flag}_{method}_e{epochs}_seed{seed}.json"  # a rerun reuses only the same budget
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: use one of {sorted(METHODS)}")
+    path = result_path(out, flag, method, epochs, seed)
     if path.exists():
         return json.loads(path.read_text())
+    partial = path.with_suffix(".partial.json")
+    randaugment, ratio, max_step = METHODS[method]
 
     class EveryEpoch(Callback):
         """Validation and test metrics with the wall time after each training epoch."""
 
         def __init__(self) -> None:
             self.rows: list[dict] = []
-            self.start = time.perf_counter()
             self.train_seconds = 0.0
 
         def on_train_epoch_start(self, trainer, pl_module):
             self._epoch_start = time.perf_counter()
 
         def on_train_epoch_end(self, trainer, pl_module):
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
             self.train_seconds += time.perf_counter() - self._epoch_start
             pl_module.eval()
             row = {"epoch": trainer.current_epoch, "train_seconds": self.train_seconds}
@@ -60,7 +87,7 @@ def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path) ->
                 probs, labels = [], []
                 with torch.no_grad():
                     for x, y, _ in loader:
-                        probs.append(pl_module(x).softmax(1))
+                        probs.append(pl_module(x.to(pl_module.device)).softmax(1).cpu())
                         labels.append(y)
                 p, t = torch.cat(probs), torch.cat(labels)
                 c = p.shape[1]
@@ -68,26 +95,38 @@ def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path) ->
                 row[f"{split}_auc"] = float(multiclass_auroc(p, t, c))
             pl_module.train()
             self.rows.append(row)
+            out.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(_result(self.rows, complete=False)))
+            if stop_at is not None and time.time() > stop_at and trainer.current_epoch + 1 < epochs:
+                trainer.should_stop = True
+
+    def _result(rows: list[dict], complete: bool) -> dict:
+        best = select_best(rows)
+        return {"flag": flag, "method": method, "seed": seed, "epochs": epochs, "complete": complete,
+                "device": device_name, "best_epoch": best["epoch"], "val_auc": best["val_auc"],
+                "test_acc": best["test_acc"], "test_auc": best["test_auc"], "wall_seconds": rows[-1]["train_seconds"],
+                "curve": rows}
 
     pl.seed_everything(seed)
-    data = MedMNISTDataModule(flag, root=root, batch_size=128, randaugment=method == "randaugment")
+    data = MedMNISTDataModule(flag, root=root, batch_size=128, randaugment=randaugment)
     data.setup("test")  # the per-epoch test evaluation needs the test split during fit
     module = LPA3Classifier("resnet18", data.in_channels, data.num_classes, lr=1e-3,
-                            milestones=[epochs // 2, (3 * epochs) // 4], twin_bn=method == "lpa3")
+                            milestones=[epochs // 2, (3 * epochs) // 4], twin_bn=ratio is not None)
     recorder = EveryEpoch()
     callbacks: list[Callback] = [recorder]
-    if method == "lpa3":
-        callbacks.insert(0, LPA3Callback(ratio=0.5, sigma=0.02, steps=5, seed=seed))
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", callbacks=callbacks, logger=False,
+    if ratio is not None:
+        callbacks.insert(0, LPA3Callback(ratio=ratio, sigma=0.02, steps=5, seed=seed, max_step=max_step))
+    trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
+    on_gpu = trainer.strategy.root_device.type == "cuda"
+    device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if on_gpu else "cpu"
     trainer.fit(module, datamodule=data)
-    best = select_best(recorder.rows)
-    result = {"flag": flag, "method": method, "seed": seed, "epochs": epochs, "best_epoch": best["epoch"],
-              "test_acc": best["test_acc"], "test_auc": best["test_auc"],
-              "wall_seconds": recorder.train_seconds, "curve": recorder.rows}
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    complete = len(recorder.rows) == epochs
+    result = _result(recorder.rows, complete)
+    if complete:
+        path.write_text(json.dumps(result, indent=1))
+        partial.unlink(missing_ok=True)
     return result
 
 
@@ -96,23 +135,48 @@ def select_best(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: (r["val_auc"], -r["epoch"]))
 
 
+def _best_val_auc(r: dict) -> float:
+    return r["val_auc"] if "val_auc" in r else select_best(r["curve"])["val_auc"]
+
+
+def tuned_lpa3(results: list[dict], flag: str) -> str | None:
+    """The paper tunes tau per data set: of its tau values (``lpa3``, ``lpa3_tau*``), the one
+    with the best mean validation AUC (None when fewer than two ran on ``flag`` with the same seeds)."""
+    variants: dict[str, list[dict]] = {}
+    for r in results:
+        if r["flag"] == flag and (r["method"] == "lpa3" or r["method"].startswith("lpa3_tau")):
+            variants.setdefault(r["method"], []).append(r)
+    seeds = {m: sorted(r["seed"] for r in rs) for m, rs in variants.items()}
+    if len(variants) < 2 or len({tuple(v) for v in seeds.values()}) != 1:
+        return None
+    return max(variants, key=lambda m: statistics.mean(_best_val_auc(r) for r in variants[m]))
+
+
 def summarize(results: list[dict], out: Path) -> str:
-    lines = ["| data set | method | test ACC | test AUC | train wall s (per run) | seeds |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| data set | method | test ACC | test AUC | train wall s (per run) | seeds | epochs |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(flag: str, label: str, rs: list[dict]) -> str:
+        def ms(key: str) -> str:
+            values = [r[key] for r in rs]
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+
+        epochs = "/".join(str(e) for e in sorted({r["epochs"] for r in rs}))
+        return (f"| {flag} | {label} | {ms('test_acc')} | {ms('test_auc')} | "
+                f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {epochs} |")
+
     for flag in sorted({r["flag"] for r in results}):
         for method in METHODS:
             rs = [r for r in results if r["flag"] == flag and r["method"] == method]
-            if not rs:
-                continue
-
-            def ms(key: str) -> str:
-                values = [r[key] for r in rs]
-                sd = statistics.stdev(values) if len(values) > 1 else 0.0
-                return f"{statistics.mean(values):.3f} +- {sd:.3f}"
-
-            lines.append(f"| {flag} | {method} | {ms('test_acc')} | {ms('test_auc')} | "
-                         f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} |")
+            if rs:
+                lines.append(row(flag, method, rs))
+        tuned = tuned_lpa3(results, flag)
+        if tuned is not None:
+            rs = [r for r in results if r["flag"] == flag and r["method"] == tuned]
+            lines.append(row(flag, f"lpa3, tau tuned on val AUC ({tuned})", rs))
     table = "\n".join(lines)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
     return table
 
@@ -127,60 +191,144 @@ def plot(results: list[dict], out: Path) -> list[str]:
     flags = sorted({r["flag"] for r in results})
     fig, axes = plt.subplots(1, len(flags), figsize=(6 * len(flags), 4), squeeze=False)
     for ax, flag in zip(axes[0], flags):
-        for method, colour in zip(("baseline", "lpa3"), ("tab:blue", "tab:red")):
+        primary = tuned_lpa3(results, flag) or "lpa3"
+        # the paper's LP-A3 (tuned tau, or tau 0.5) first, then variants that are not tau values
+        variants = [primary] + sorted({r["method"] for r in results if r["flag"] == flag and r["method"].startswith(
+            "lpa3") and not r["method"].startswith("lpa3_tau") and r["method"] not in (primary, "lpa3")})
+        devices = {r.get("device", "cpu") for r in results if r["flag"] == flag}
+        where = "2-core CPU" if devices == {"cpu"} else ", ".join(sorted(devices))
+        colours = ["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink"]
+        for i, method in enumerate(["baseline", *variants]):
+            colour = colours[i % len(colours)]
             labelled = False
             for r in (r for r in results if r["flag"] == flag and r["method"] == method):
                 ax.plot([row["train_seconds"] for row in r["curve"]], [row["test_acc"] for row in r["curve"]],
                         color=colour, alpha=0.7, label=None if labelled else method)
                 labelled = True
         ax.set_title(f"{flag}: test accuracy against training wall-clock")
-        ax.set_xlabel("training seconds (2-core CPU)")
+        ax.set_xlabel(f"training seconds ({where})")
         ax.set_ylabel("test accuracy")
         ax.legend()
         # LP-A3's wall time to reach the baseline's accuracy (its validation-selected test
         # accuracy, as in the table), as a ratio of the baseline's own time to it
-        ratios, never = [], 0
-        for seed in sorted({r["seed"] for r in results if r["flag"] == flag}):
-            base = next((r for r in results if r["flag"] == flag and r["method"] == "baseline" and r["seed"] == seed),
-                        None)
-            lp = next((r for r in results if r["flag"] == flag and r["method"] == "lpa3" and r["seed"] == seed), None)
-            if base is None or lp is None:
-                continue
-            target = base["test_acc"]
-            t_base = next(row["train_seconds"] for row in base["curve"] if row["test_acc"] >= target)
-            t_lp = next((row["train_seconds"] for row in lp["curve"] if row["test_acc"] >= target), None)
-            reached = "never reached it" if t_lp is None else f"reached it at {t_lp:.0f} s = {t_lp / t_base:.2f}x"
-            notes.append(f"{flag} seed {seed}: baseline test acc {target:.3f} first at {t_base:.0f} s; LP-A3 {reached}")
-            if t_lp is None:
-                never += 1
-            else:
-                ratios.append(t_lp / t_base)
-        if ratios or never:
-            median = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
-            notes.append(f"{flag}: median time-to-baseline-accuracy ratio {median} over {len(ratios)} seeds; "
-                         f"{never} seed(s) never reached it")
+        for lpa3 in variants:
+            notes.extend(_time_to_accuracy(results, flag, lpa3))
     fig.tight_layout()
     fig.savefig(out / "time_to_accuracy.png", dpi=120)
     return notes
 
 
+def _time_to_accuracy(results: list[dict], flag: str, lpa3: str) -> list[str]:
+    notes, ratios, never = [], [], 0
+    name = "LP-A3" if lpa3 == "lpa3" else f"LP-A3 ({lpa3})"
+    for seed in sorted({r["seed"] for r in results if r["flag"] == flag}):
+        base = next((r for r in results if r["flag"] == flag and r["method"] == "baseline" and r["seed"] == seed), None)
+        lp = next((r for r in results if r["flag"] == flag and r["method"] == lpa3 and r["seed"] == seed), None)
+        if base is None or lp is None:
+            continue
+        target = base["test_acc"]
+        t_base = next(row["train_seconds"] for row in base["curve"] if row["test_acc"] >= target)
+        t_lp = next((row["train_seconds"] for row in lp["curve"] if row["test_acc"] >= target), None)
+        reached = "never reached it" if t_lp is None else f"reached it at {t_lp:.0f} s = {t_lp / t_base:.2f}x"
+        notes.append(f"{flag} seed {seed}: baseline test acc {target:.3f} first at {t_base:.0f} s; {name} {reached}")
+        if t_lp is None:
+            never += 1
+        else:
+            ratios.append(t_lp / t_base)
+    if ratios or never:
+        median = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
+        subject = "" if lpa3 == "lpa3" else f" ({lpa3})"
+        notes.append(f"{flag}: median time-to-baseline-accuracy ratio{subject} {median} over {len(ratios)} seeds; "
+                     f"{never} seed(s) never reached it")
+    return notes
+
+
+def _parse_flag_epochs(items: list[str], flags: list[str], default: int) -> dict[str, int]:
+    budget = {flag: default for flag in flags}
+    for item in items:
+        flag, sep, value = item.partition("=")
+        if not sep or flag not in budget or not value.isdigit() or int(value) < 1:
+            sys.exit(f"--flag-epochs takes FLAG=EPOCHS for one of --flags {flags}, got {item!r}")
+        budget[flag] = int(value)
+    return budget
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--flags", nargs="+", default=["breastmnist"])
+    parser.add_argument("--methods", nargs="+", default=["baseline", "randaugment", "lpa3"], choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--flag-epochs", nargs="*", default=[], metavar="FLAG=EPOCHS",
+                        help="a budget for one flag (others use --epochs)")
     parser.add_argument("--root", default=str(ROOT.parent / "shared" / "data" / "medmnist"))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "medmnist_runs")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds from now after which no run starts and running ones stop after their epoch")
+    parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # flag method seed
+    parser.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.jobs < 1:
+        sys.exit(f"--jobs must be >= 1, got {args.jobs}")
+    budget = _parse_flag_epochs(args.flag_epochs, args.flags, args.epochs)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        flag, method, seed = args.worker
+        run(flag, args.root, method, int(seed), budget[flag], args.out, args.accelerator, args.stop_at)
+        return
+    stop_at = None if args.deadline is None else time.time() + args.deadline
+    # the order is the priority under a deadline: every seed of a flag before the next flag
+    queue = [(flag, method, seed) for flag in args.flags for seed in args.seeds for method in args.methods]
+    if args.jobs == 1:
+        for flag, method, seed in queue:
+            if stop_at is not None and time.time() > stop_at:
+                break
+            start = time.perf_counter()
+            r = run(flag, args.root, method, seed, budget[flag], args.out, args.accelerator, stop_at)
+            print(f"{flag} {method} seed {seed}: test acc {r['test_acc']:.3f} auc {r['test_auc']:.3f} "
+                  f"(best val epoch {r['best_epoch']}, {time.perf_counter() - start:.0f} s)", flush=True)
+    else:
+        running: list[tuple[subprocess.Popen, tuple]] = []
+        while queue or running:
+            while queue and len(running) < args.jobs and (stop_at is None or time.time() < stop_at):
+                flag, method, seed = job = queue.pop(0)
+                if result_path(args.out, flag, method, budget[flag], seed).exists():
+                    continue
+                cmd = [sys.executable, __file__, "--worker", flag, method, str(seed), "--epochs", str(args.epochs),
+                       "--flags", *args.flags, "--root", args.root, "--out", str(args.out),
+                       "--accelerator", args.accelerator]
+                cmd += ["--flag-epochs", *args.flag_epochs] if args.flag_epochs else []
+                cmd += ["--threads", str(args.threads)] if args.threads else []
+                cmd += ["--stop-at", str(stop_at)] if stop_at is not None else []
+                running.append((subprocess.Popen(cmd, cwd=ROOT), job))
+            if stop_at is not None and time.time() >= stop_at:
+                queue.clear()
+            for proc, job in list(running):
+                if proc.poll() is not None:
+                    running.remove((proc, job))
+                    print(f"{' '.join(map(str, job))}: exit {proc.returncode}", flush=True)
+            time.sleep(1.0)
     results = []
-    for seed in args.seeds:
-        for flag in args.flags:
-            for method in METHODS:
-                start = time.perf_counter()
-                r = run(flag, args.root, method, seed, args.epochs, args.out)
-                results.append(r)
-                print(f"{flag} {method} seed {seed}: test acc {r['test_acc']:.3f} auc {r['test_auc']:.3f} "
-                      f"(best val epoch {r['best_epoch']}, {time.perf_counter() - start:.0f} s)", flush=True)
+    for flag in args.flags:
+        for method in args.methods:
+            for seed in args.seeds:
+                path = result_path(args.out, flag, method, budget[flag], seed)
+                if path.exists():
+                    results.append(json.loads(path.read_text()))
+                elif path.with_suffix(".partial.json").exists():
+                    r = json.loads(path.with_suffix(".partial.json").read_text())
+                    print(f"{flag} {method} seed {seed}: stopped after {len(r['curve'])} of {r['epochs']} epochs "
+                          "(left out of the table)")
+                else:
+                    print(f"{flag} {method} seed {seed}: not run (left out of the table)")
+    if not results:
+        sys.exit("no run finished")
     print(summarize(results, args.out))
     for line in plot(results, args.out):
         print(line)

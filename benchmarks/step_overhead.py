@@ -1,6 +1,6 @@
 """Training overhead of LP-A3: time per step, per epoch (cached x'), peak memory; in one run.
 
-    python benchmarks/step_overhead.py [--epochs 3]
+    python benchmarks/step_overhead.py [--epochs 3] [--accelerator gpu]
 
 ResNet-18 (MedMNIST stem) on the embedded BreastMNIST train split (546 images, 28x28),
 batch 128, Adam, one process per configuration (so peak memory is per configuration):
@@ -8,11 +8,15 @@ batch 128, Adam, one process per configuration (so peak memory is per configurat
   lpa3            + LPA3Callback(ratio=0.3, steps=5), default solver
   lpa3_fast       + the same with fast=True
   lpa3_cached     + the default solver with regenerate_every_n_epochs=10
+  lpa3_cached_lazy  the same with attack_new_selections=False (solver in regeneration epochs only)
 Epoch 0 is a warm-up for every LP-A3 run (warmup_epochs=1: TCS fills, no attack), so the
 measured epochs select 30% as in steady state. Prints the median step time of the measured
 epochs, the ratio to the baseline, the peak resident memory, the amortized epoch time with
-K=10 ((regeneration epoch + 9 reuse epochs) / 10), and the floor: the baseline step plus
-5 x (forward + input-gradient backward) on the selected samples plus one training pass on x'.
+K=10 ((regeneration epoch + 9 x the last epoch) / 10; the fraction of x' the last epoch took
+from the cache is printed), and the floor: the baseline step plus 5 x (forward +
+input-gradient backward) on the selected samples plus one training pass on x'. On a GPU
+(``--accelerator gpu``) steps are timed after a device synchronisation and peak memory is the
+GPU's peak allocated memory.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-CONFIGS = ("baseline", "lpa3", "lpa3_fast", "lpa3_cached")
+CONFIGS = ("baseline", "lpa3", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy")
 
 
-def _worker(config: str, epochs: int) -> dict:
+def _worker(config: str, epochs: int, accelerator: str) -> dict:
     import lightning.pytorch as pl
+    import torch
     from lightning.pytorch.callbacks import Callback
 
     from lpa3_lightning import LPA3Callback, LPA3Classifier
@@ -43,18 +48,29 @@ def _worker(config: str, epochs: int) -> dict:
         def __init__(self) -> None:
             self.steps: dict[int, list[float]] = {}
             self.epochs: dict[int, float] = {}
+            self.reused: dict[int, float] = {}
 
         def on_train_epoch_start(self, trainer, pl_module):
             self._epoch_start = time.perf_counter()
 
+        def _sync(self, pl_module):
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._sync(pl_module)
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._sync(pl_module)
             self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
 
         def on_train_epoch_end(self, trainer, pl_module):
+            self._sync(pl_module)
             self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
+            reused = trainer.callback_metrics.get("lpa3/reused_fraction_epoch")
+            if reused is not None:
+                self.reused[trainer.current_epoch] = float(reused)
 
     pl.seed_everything(0)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # imports, data, no model yet
@@ -62,21 +78,28 @@ def _worker(config: str, epochs: int) -> dict:
     callbacks: list[Callback] = [timer]
     if config != "baseline":
         callbacks.append(LPA3Callback(ratio=0.3, steps=5, warmup_epochs=1, seed=0, fast=config == "lpa3_fast",
-                                      regenerate_every_n_epochs=10 if config == "lpa3_cached" else 1))
+                                      regenerate_every_n_epochs=10 if config.startswith("lpa3_cached") else 1,
+                                      attack_new_selections=config != "lpa3_cached_lazy"))
     module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=config != "baseline")
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", callbacks=callbacks, logger=False,
+    trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=128))
     measured = [e for e in timer.steps if e >= 1]
+    device = trainer.strategy.root_device  # the fit's device (teardown moved the module back to the CPU)
+    on_gpu = device.type == "cuda"
     result = {
         "step_s": statistics.median([t for e in measured for t in timer.steps[e]]),
         "epochs_s": {e: timer.epochs[e] for e in measured},
-        # the training's own memory: peak resident size minus what the process held before
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before,
+        "reused": timer.reused,
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        # the training's own memory: on a GPU its peak allocation; on the CPU the peak resident
+        # size minus what the process held before
+        "peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before),
     }
     if config == "lpa3":
-        result["floor_s"] = _floor(module)
+        result["floor_s"] = _floor(module.to(device))
     return result
 
 
@@ -88,16 +111,23 @@ def _floor(module) -> float:
     from lpa3_lightning.dual_bn import use_twin_bn
 
     model = module.model
-    x = torch.randn(128, 1, 28, 28)
-    y = torch.randint(0, 2, (128,))
+    device = module.device
+    x = torch.randn(128, 1, 28, 28, device=device)
+    y = torch.randint(0, 2, (128,), device=device)
     selected = int(0.3 * 128)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def timed(fn, reps: int = 3) -> float:
         fn()
         times = []
         for _ in range(reps):
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -124,19 +154,24 @@ def _floor(module) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3, help="epoch 0 is warm-up; epochs 1.. are measured")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or gpu")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.epochs < 2:
+        sys.exit("--epochs must be at least 2: epoch 0 is the warm-up")
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.epochs)))
+        print(json.dumps(_worker(args.worker, args.epochs, args.accelerator)))
         return
     import torch
 
-    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; ResNet-18 28x28, "
+    where = (torch.cuda.get_device_name(0) if args.accelerator in ("gpu", "cuda")
+             else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {where}; ResNet-18 28x28, "
           f"batch 128, BreastMNIST train (546), epochs 1..{args.epochs - 1} measured, one process each")
     results = {}
     for config in CONFIGS:
-        done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs)],
-                              capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs),
+                               "--accelerator", args.accelerator], capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
             sys.exit(f"{config} failed:\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -144,17 +179,20 @@ def main() -> None:
         results[config] = result
     base = results["baseline"]
     base_epoch = statistics.median(base["epochs_s"].values())
-    print("peak MB = peak resident memory of the process minus its size after imports (the training's own)")
-    print(f"{'config':12} {'step s':>8} {'x base':>7} {'epoch s':>8} {'x base':>7} {'peak MB':>8} {'x base':>7}")
+    print("peak MB = peak GPU memory allocated" if args.accelerator in ("gpu", "cuda") else
+          "peak MB = peak resident memory of the process minus its size after imports (the training's own)")
+    print(f"{'config':16} {'step s':>8} {'x base':>7} {'epoch s':>8} {'x base':>7} {'peak MB':>8} {'x base':>7}")
     for config, r in results.items():
         epoch = statistics.median(r["epochs_s"].values())
-        print(f"{config:12} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {epoch:8.2f} "
-              f"{epoch / base_epoch:6.2f}x {r['peak_rss_mb']:8.0f} {r['peak_rss_mb'] / base['peak_rss_mb']:6.2f}x")
-    cached = results["lpa3_cached"]["epochs_s"]
-    regen, reuse = cached[min(cached)], cached[max(cached)]
-    amortized = (regen + 9 * reuse) / 10
-    print(f"lpa3_cached: regeneration epoch {regen:.2f} s, reuse epoch {reuse:.2f} s -> amortized over K=10: "
-          f"{amortized:.2f} s = {amortized / base_epoch:.2f}x baseline epoch")
+        print(f"{config:16} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {epoch:8.2f} "
+              f"{epoch / base_epoch:6.2f}x {r['peak_mb']:8.0f} {r['peak_mb'] / base['peak_mb']:6.2f}x")
+    for config in ("lpa3_cached", "lpa3_cached_lazy"):
+        cached = results[config]["epochs_s"]
+        regen, reuse = cached[min(cached)], cached[max(cached)]
+        amortized = (regen + 9 * reuse) / 10
+        last = results[config]["reused"].get(str(max(cached)), float("nan"))
+        print(f"{config}: regeneration epoch {regen:.2f} s, last epoch {reuse:.2f} s (x' from the cache: "
+              f"{last:.0%}) -> amortized over K=10: {amortized:.2f} s = {amortized / base_epoch:.2f}x baseline epoch")
     extra = results["lpa3"]["floor_s"]
     floor = base["step_s"] + extra
     print(f"floor per step (measured baseline step + 5 x (forward + input-gradient backward) on 38 selected + one "

@@ -52,3 +52,33 @@ def test_best_epoch_is_chosen_by_validation_auc_not_test():
     rows = [{"epoch": 0, "val_auc": 0.7, "test_acc": 0.9}, {"epoch": 1, "val_auc": 0.8, "test_acc": 0.6},
             {"epoch": 2, "val_auc": 0.8, "test_acc": 0.7}]
     assert table.select_best(rows)["epoch"] == 1  # best validation AUC, earliest on ties
+
+
+def test_tau_is_tuned_on_validation_auc_over_the_papers_values_only(tmp_path):
+    table = _module()
+
+    def run(method, seed, val_auc, test_acc):
+        r = _run(method, seed, [test_acc], 10.0)
+        r["val_auc"] = val_auc
+        return r
+
+    results = [run("baseline", 0, 0.8, 0.80), run("lpa3", 0, 0.85, 0.81), run("lpa3_tau0.2", 0, 0.90, 0.70),
+               run("lpa3_maxstep1", 0, 0.99, 0.99)]  # not a tau value: never the tuned row
+    assert table.tuned_lpa3(results, "breastmnist") == "lpa3_tau0.2"
+    text = table.summarize(results, tmp_path)
+    assert "| breastmnist | lpa3, tau tuned on val AUC (lpa3_tau0.2) | 0.700 +- 0.000 |" in text
+    # a variant with other seeds than the rest is not compared
+    assert table.tuned_lpa3(results + [run("lpa3_tau0.9", 1, 0.95, 0.9)], "breastmnist") is None
+    assert table.tuned_lpa3(results[:2], "breastmnist") is None
+
+
+def test_flag_epochs_override_the_budget_and_refuse_unknown_flags():
+    table = _module()
+    assert table._parse_flag_epochs(["pneumoniamnist=20"], ["breastmnist", "pneumoniamnist"], 100) == {
+        "breastmnist": 100, "pneumoniamnist": 20}
+    import pytest
+
+    with pytest.raises(SystemExit, match="--flag-epochs"):
+        table._parse_flag_epochs(["retinamnist=5"], ["breastmnist"], 100)
+    with pytest.raises(SystemExit, match="--flag-epochs"):
+        table._parse_flag_epochs(["breastmnist=0"], ["breastmnist"], 100)
