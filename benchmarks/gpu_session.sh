@@ -24,7 +24,7 @@ timeout 90 $PY benchmarks/solver_speed.py --device cuda --repeats 5 --data "$DAT
 # 3. training overhead (one process per configuration, nothing else on the GPU)
 timeout 120 $PY benchmarks/step_overhead.py --accelerator gpu --epochs 5 > "$OUT/step_overhead.log" 2>&1
 # 4. the MedMNIST table, in the time left of ${SESSION_SECONDS:-540} s: BreastMNIST at 50 epochs and
-#    PneumoniaMNIST at 12, every run at once (16 processes share the GPU and the 16 cores);
+#    PneumoniaMNIST at 12, 16 runs at a time (6 + 10 processes share the GPU and the 16 cores);
 #    runs still going at the deadline stop after their epoch and are left out of the table
 LEFT=$(( ${SESSION_SECONDS:-540} - SECONDS - 30 ))
 if [ "$LEFT" -lt 60 ]; then echo "no time left for the table ($LEFT s)" >> "$OUT/env.txt"; exit 0; fi

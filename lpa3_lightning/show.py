@@ -2,7 +2,7 @@
 
     lpa3 show --ckpt runs/.../best.ckpt --out lpa3_examples.png [--flag breastmnist]
               [--root DIR] [--split test] [--num 8] [--sigma 0.02] [--steps 5] [--seed 0]
-              [--bn-mode eval|twin]
+              [--bn-mode eval|twin] [--max-step 1.0]
 
 Rows: the first ``--num`` images of the split, their LP-A3 hard positives under the
 checkpoint's model, and the absolute difference stretched per image. Prints the per-image

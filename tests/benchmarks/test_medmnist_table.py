@@ -35,7 +35,7 @@ def test_table_and_time_to_accuracy(tmp_path):
     ]
     text = table.summarize(results, tmp_path)
     assert "| breastmnist | baseline | 0.825 +- 0.007 |" in text
-    assert "| breastmnist | lpa3 | 0.830 +- 0.028 |" in text
+    assert "| breastmnist | lpa3 | 0.830 +- 0.028 | 0.830 +- 0.028 | 0.830 +- 0.028 |" in text  # ACC, AUC, last ACC
     assert (tmp_path / "table.md").read_text().strip() == text
     notes = table.plot(results, tmp_path)
     assert notes == [
