@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="models and inputs in channels-last memory format, for every solver")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -145,16 +147,18 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
     torch.manual_seed(0)
     where = (f"{torch.cuda.get_device_name(device)}, TF32 off, deterministic cuDNN" if device.type == "cuda"
              else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    layout = ", channels-last" if args.channels_last else ""
     print(f"torch {torch.__version__}, {where}; median of "
-          f"{args.repeats} runs; sigma {SIGMA}, 5 steps, batch 64, models in eval mode")
+          f"{args.repeats} runs; sigma {SIGMA}, 5 steps, batch 64, models in eval mode{layout}")
     data = _data(args.data)
     builders = {"resnet18": lambda: medmnist_resnet("resnet18", 1, 2), "wrn28_2": lambda: wrn28_2(10)}
     for name, build in builders.items():
         model = build()
         x_all, y_all = data[name]
         _train(model, x_all, y_all, args.train_steps)  # on the CPU: the same weights on every device
-        model.to(device)
-        x, y = x_all[:64].to(device), y_all[:64].to(device)
+        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+        model.to(device, memory_format=fmt)
+        x, y = x_all[:64].to(device).contiguous(memory_format=fmt), y_all[:64].to(device)
         # the noise lpa3_attack draws first from a generator seeded 1 on x's device
         noise = torch.rand(x.shape, generator=torch.Generator(device).manual_seed(1), device=device)
         low, high = -1.0, 1.0

@@ -53,11 +53,13 @@ class LPA3Callback(Callback):
     before ``training_step``. After the step it updates the TCS memory from the clean
     logits the module recorded; after each epoch it refreshes the threshold.
 
-    Logged (through the Trainer's logger, per step and per epoch): ``lpa3/selected_fraction``,
-    ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (fraction of ``x'`` with
+    Logged (through the Trainer's logger, per step and per epoch): ``lpa3/selected_fraction``
+    (the share of the batch that got an ``x'``), ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (fraction of ``x'`` with
     ``log p(y|x') >= log p(y|x) - sigma``), ``lpa3/projected`` (fraction pulled back by the
     bisection), ``lpa3/solver_seconds``, ``lpa3/reused_fraction`` (with a cache); per epoch
-    ``lpa3/threshold``, ``lpa3/nonfinite_inputs`` and ``lpa3/nonfinite_predictions``.
+    ``lpa3/threshold``, ``lpa3/tcs_selected_fraction`` (the share TCS selected, before a lone
+    sample or, with ``attack_new_selections=False``, an uncached one is left out),
+    ``lpa3/nonfinite_inputs`` and ``lpa3/nonfinite_predictions``.
 
     Args:
         ratio: fraction of samples given LP-A3 (tau), in (0, 1].
@@ -220,6 +222,7 @@ class LPA3Callback(Callback):
         self._generator_state: Tensor | None = None
         self._resolved_range: InputRange = None
         self._nonfinite = 0
+        self._tcs_selected = 0
         self._rng_to_restore: dict[str, Any] | None = None
         self._rank = 0
         self._last_update_epoch = torch.zeros(0, dtype=torch.long)  # per sample: epoch of its last TCS update
@@ -344,6 +347,7 @@ class LPA3Callback(Callback):
         if trainer.current_epoch < self.warmup_epochs:
             return
         mask = self._select(request)
+        self._tcs_selected = int(mask.sum())
         augmented = self._augment(trainer, pl_module, request, mask)
         pl_module.lpa3_set_augmented(augmented)
         self._log_batch(pl_module, request, augmented)
@@ -463,6 +467,8 @@ class LPA3Callback(Callback):
     def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch) -> None:
         n = request.inputs.shape[0]
         pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
+        pl_module.log("lpa3/tcs_selected_fraction", self._tcs_selected / max(n, 1), on_step=False, on_epoch=True,
+                      batch_size=n)
         pl_module.log("lpa3/nonfinite_inputs", float(self._nonfinite), on_step=False, on_epoch=True,
                       reduce_fx="sum", batch_size=n, sync_dist=True)
         if self.cache is not None and len(augmented):

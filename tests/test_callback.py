@@ -621,8 +621,16 @@ def test_attack_new_selections_false_runs_the_solver_in_regeneration_epochs_only
     original = callback_module.lpa3_attack
 
     class Counter(pl.Callback):
+        fractions: dict[int, tuple[float, float]] = {}
+
         def on_train_epoch_start(self, trainer, pl_module):
             self.epoch = trainer.current_epoch
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            metrics = trainer.callback_metrics
+            if "lpa3/tcs_selected_fraction" in metrics:
+                self.fractions[self.epoch] = (float(metrics["lpa3/selected_fraction_epoch"]),
+                                              float(metrics["lpa3/tcs_selected_fraction"]))
 
     counter = Counter()
 
@@ -653,6 +661,10 @@ def test_attack_new_selections_false_runs_the_solver_in_regeneration_epochs_only
             received_between += sum(same) - 1
             assert all(same[:-1])
         assert received_between > 0  # the cache was used
+        # TCS selected as before; fewer of those samples got an x' between regenerations
+        for epoch in (2, 3):
+            augmented_share, tcs_share = counter.fractions[epoch]
+            assert augmented_share < tcs_share
     with pytest.raises(ValueError, match="attack_new_selections"):
         LPA3Callback(attack_new_selections="no")
 

@@ -82,3 +82,33 @@ def test_flag_epochs_override_the_budget_and_refuse_unknown_flags():
         table._parse_flag_epochs(["retinamnist=5"], ["breastmnist"], 100)
     with pytest.raises(SystemExit, match="--flag-epochs"):
         table._parse_flag_epochs(["breastmnist=0"], ["breastmnist"], 100)
+
+
+def test_a_run_past_its_deadline_stops_after_the_epoch_and_leaves_a_partial_file(tmp_path):
+    import time
+
+    from lpa3_lightning.data import EMBEDDED_DATA_DIR
+
+    table = _module()
+    result = table.run("breastmnist", str(EMBEDDED_DATA_DIR), "baseline", 0, 2, tmp_path, "cpu", stop_at=time.time())
+    assert result["complete"] is False and len(result["curve"]) == 1
+    assert (tmp_path / "breastmnist_baseline_e2_seed0.partial.json").is_file()
+    assert not (tmp_path / "breastmnist_baseline_e2_seed0.json").exists()  # left out of tables
+
+
+def test_parallel_runs_write_results_and_the_table(tmp_path):
+    import subprocess
+    import sys
+
+    from lpa3_lightning.data import EMBEDDED_DATA_DIR
+
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--flags", "breastmnist", "--methods", "baseline", "--seeds", "0", "1",
+         "--epochs", "1", "--jobs", "2", "--threads", "1", "--root", str(EMBEDDED_DATA_DIR), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "breastmnist_baseline_e1_seed0.json").is_file()
+    assert (tmp_path / "breastmnist_baseline_e1_seed1.json").is_file()
+    assert "| breastmnist | baseline |" in (tmp_path / "table.md").read_text()
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--jobs", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--jobs" in bad.stderr
