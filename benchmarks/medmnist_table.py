@@ -164,13 +164,13 @@ def summarize(results: list[dict], out: Path) -> str:
              "|---|---|---|---|---|---|---|---|"]
 
     def row(flag: str, label: str, rs: list[dict]) -> str:
-        def ms(key: str) -> str:
-            values = [r["curve"][-1]["test_acc"] if key == "last_acc" else r[key] for r in rs]
+        def ms(values: list[float]) -> str:
             sd = statistics.stdev(values) if len(values) > 1 else 0.0
             return f"{statistics.mean(values):.3f} +- {sd:.3f}"
 
         epochs = "/".join(str(e) for e in sorted({r["epochs"] for r in rs}))
-        return (f"| {flag} | {label} | {ms('test_acc')} | {ms('test_auc')} | {ms('last_acc')} | "
+        return (f"| {flag} | {label} | {ms([r['test_acc'] for r in rs])} | {ms([r['test_auc'] for r in rs])} | "
+                f"{ms([r['curve'][-1]['test_acc'] for r in rs])} | "
                 f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {epochs} |")
 
     for flag in sorted({r["flag"] for r in results}):

@@ -53,20 +53,16 @@ def _worker(config: str, epochs: int, accelerator: str) -> dict:
         def on_train_epoch_start(self, trainer, pl_module):
             self._epoch_start = time.perf_counter()
 
-        def _sync(self, pl_module):
-            if pl_module.device.type == "cuda":
-                torch.cuda.synchronize(pl_module.device)
-
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self._sync(pl_module)
+            _sync(pl_module.device)
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self._sync(pl_module)
+            _sync(pl_module.device)
             self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
 
         def on_train_epoch_end(self, trainer, pl_module):
-            self._sync(pl_module)
+            _sync(pl_module.device)
             self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
             reused = trainer.callback_metrics.get("lpa3/reused_fraction_epoch")
             if reused is not None:
@@ -103,6 +99,14 @@ def _worker(config: str, epochs: int, accelerator: str) -> dict:
     return result
 
 
+def _sync(device) -> None:
+    """Wait for the GPU's queued work, so that a timer reads finished work (no-op on the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _floor(module) -> float:
     """The least LP-A3 adds to a step: on 30% of a batch of 128, 5 x (forward + backward to
     the input) and one training forward+backward of x' (the measured baseline step is added)."""
@@ -116,18 +120,14 @@ def _floor(module) -> float:
     y = torch.randint(0, 2, (128,), device=device)
     selected = int(0.3 * 128)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def timed(fn, reps: int = 3) -> float:
         fn()
         times = []
         for _ in range(reps):
-            sync()
+            _sync(device)
             start = time.perf_counter()
             fn()
-            sync()
+            _sync(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

@@ -96,15 +96,16 @@ class AugmentationCache:
             raise ValueError(f"Cache indices out of range [0, {self.num_samples}).")
         return indices.cpu().long()
 
+    def _young(self, written: Tensor, epoch: int) -> Tensor:
+        return (written >= 0) & (epoch - written < self.every_n_epochs)
+
     def fresh(self, indices: Tensor, epoch: int) -> Tensor:
         """Which of ``indices`` have an entry young enough to reuse in ``epoch``."""
-        written = self.written[self._check_indices(indices)]
-        return ((written >= 0) & (epoch - written < self.every_n_epochs)).to(indices.device)
+        return self._young(self.written[self._check_indices(indices)], epoch).to(indices.device)
 
     def reusable_from_before(self, epoch: int) -> bool:
         """Whether any entry written before ``epoch`` is still fresh in it."""
-        written = self.written
-        return bool(((written >= 0) & (written < epoch) & (epoch - written < self.every_n_epochs)).any())
+        return bool((self._young(self.written, epoch) & (self.written < epoch)).any())
 
     def get(self, indices: Tensor) -> Tensor:
         """The stored ``x'`` of ``indices`` (CPU); only valid for entries reported fresh."""

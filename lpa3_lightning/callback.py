@@ -222,7 +222,6 @@ class LPA3Callback(Callback):
         self._generator_state: Tensor | None = None
         self._resolved_range: InputRange = None
         self._nonfinite = 0
-        self._tcs_selected = 0
         self._rng_to_restore: dict[str, Any] | None = None
         self._rank = 0
         self._last_update_epoch = torch.zeros(0, dtype=torch.long)  # per sample: epoch of its last TCS update
@@ -347,10 +346,10 @@ class LPA3Callback(Callback):
         if trainer.current_epoch < self.warmup_epochs:
             return
         mask = self._select(request)
-        self._tcs_selected = int(mask.sum())
+        tcs_selected = int(mask.sum())  # before _augment leaves lone or uncached samples out
         augmented = self._augment(trainer, pl_module, request, mask)
         pl_module.lpa3_set_augmented(augmented)
-        self._log_batch(pl_module, request, augmented)
+        self._log_batch(pl_module, request, augmented, tcs_selected)
 
     @staticmethod
     def _raise_together(error: Exception | None) -> None:
@@ -464,10 +463,11 @@ class LPA3Callback(Callback):
                 self._generator_state = None
         return self._generator
 
-    def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch) -> None:
+    def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch,
+                   tcs_selected: int) -> None:
         n = request.inputs.shape[0]
         pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
-        pl_module.log("lpa3/tcs_selected_fraction", self._tcs_selected / max(n, 1), on_step=False, on_epoch=True,
+        pl_module.log("lpa3/tcs_selected_fraction", tcs_selected / max(n, 1), on_step=False, on_epoch=True,
                       batch_size=n)
         pl_module.log("lpa3/nonfinite_inputs", float(self._nonfinite), on_step=False, on_epoch=True,
                       reduce_fx="sum", batch_size=n, sync_dist=True)

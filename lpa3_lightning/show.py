@@ -12,13 +12,12 @@ perceptual distance, the log-probability drop and whether the label was preserve
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
 from torch.utils.data import default_collate
 
-from lpa3_lightning.attack import lpa3_attack
+from lpa3_lightning.attack import check_max_step, lpa3_attack
 from lpa3_lightning.classifier import LPA3Classifier
 from lpa3_lightning.data import MedMNISTDataModule
 from lpa3_lightning.dual_bn import has_dual_bn
@@ -50,9 +49,10 @@ def main(argv: list[str] | None = None) -> Path:
                      "(see the run's checkpoints/ folder).")
     if args.num < 1:
         parser.error("--num must be >= 1")
-    if args.max_step is not None and not (math.isfinite(args.max_step) and args.max_step > 0):
-        parser.error(f"--max-step must be a positive finite number, got {args.max_step}. Fix: e.g. --max-step 1.0, or leave "
-                     "it out for the authors' unbounded step.")
+    try:
+        check_max_step(args.max_step)
+    except ValueError as exc:
+        parser.error(f"--max-step: {exc}")
     checkpoint = torch.load(args.ckpt, map_location="cpu", weights_only=False)
     data_hparams = checkpoint.get("datamodule_hyper_parameters", {})
     flag = args.flag or data_hparams.get("flag", "breastmnist")
