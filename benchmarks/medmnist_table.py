@@ -45,6 +45,9 @@ METHODS: dict[str, tuple[bool, dict | None]] = {
     # the same with x' cached for 10 epochs and the solver in regeneration epochs only
     "lpa3_maxstep1_k10lazy": (False, {"ratio": 0.5, "max_step": 1.0, "regenerate_every_n_epochs": 10,
                                       "attack_new_selections": False}),
+    # the package defaults after issue 8 (max_step "auto", x' trained as verified, random first pass)
+    # with x' cached for 10 epochs and the solver in regeneration epochs only
+    "lpa3_k10lazy": (False, {"ratio": 0.5, "regenerate_every_n_epochs": 10, "attack_new_selections": False}),
 }
 
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpa3_lightning import LPA3Callback, convert_dual_bn, use_twin_bn
-from lpa3_lightning.augmented import LPA3Request
+from lpa3_lightning import LPA3Callback, convert_dual_bn
 from lpa3_lightning.data import MedMNISTDataModule
 from lpa3_lightning.mixins import LPA3ModuleMixin
 
@@ -32,19 +31,18 @@ class MyClassifier(LPA3ModuleMixin, pl.LightningModule):  # 1. inherit the mixin
     def lpa3_model(self) -> nn.Module:  # 3. the network to attack (its layers give the features)
         return self.net
 
-    def lpa3_request(self, batch) -> LPA3Request:  # 4. what may be augmented
-        x, y, index = batch
-        return LPA3Request(inputs=x, targets=y, indices=index)
+    # 4. what may be augmented: the default `lpa3_request` takes (x, y, index) batches and their
+    #    true labels; override it to preserve other labels (e.g. pseudo-labels)
 
     def training_step(self, batch, batch_idx):
-        x, y, index = batch
+        x, y, index = self.lpa3_split_batch(batch)  # names the fix when the batch has no indices
         logits = self.net(x)
         self.lpa3_record_predictions(index, logits)  # 5. clean logits feed the TCS memory
         loss = F.cross_entropy(logits, y)
         augmented = self.lpa3_take_augmented()  # 6. the hard positives of this batch, if any
         if augmented is not None and len(augmented):
-            with use_twin_bn(self.net):
-                loss = loss + F.cross_entropy(self.net(augmented.inputs), augmented.targets)
+            # 7. their logits in the forward the solver verified (twin BNs, frozen statistics)
+            loss = loss + F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets)
         return loss
 
     def configure_optimizers(self):

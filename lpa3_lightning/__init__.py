@@ -7,6 +7,7 @@ Lightning and works in a plain PyTorch loop; Lightning lives in ``callback``, ``
 
 from lpa3_lightning.attack import AttackStats, lpa3_attack, resolve_input_range
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.augmented_forward import augmented_logits
 from lpa3_lightning.dual_bn import convert_dual_bn, has_dual_bn, use_twin_bn
 from lpa3_lightning.features import PerceptualFeatures, default_feature_layers
 from lpa3_lightning.selection import select_below_threshold, selection_threshold
@@ -17,11 +18,13 @@ __version__ = "0.1.0"
 __all__ = [
     "AttackStats",
     "AugmentedBatch",
+    "FixMatchClassifier",
     "LPA3Callback",
     "LPA3Classifier",
     "LPA3Request",
     "PerceptualFeatures",
     "TimeConsistency",
+    "augmented_logits",
     "convert_dual_bn",
     "default_feature_layers",
     "has_dual_bn",
@@ -44,4 +47,8 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
         from lpa3_lightning.classifier import LPA3Classifier
 
         return LPA3Classifier
+    if name == "FixMatchClassifier":
+        from lpa3_lightning.fixmatch_classifier import FixMatchClassifier
+
+        return FixMatchClassifier
     raise AttributeError(f"module 'lpa3_lightning' has no attribute {name!r}")

@@ -6,7 +6,7 @@ perceptual attack, Laidlaw et al., ICLR 2021, Alg. 3, as adapted in the authors'
     x' = argmax ||phi(x') - phi(x)||_2   s.t.   log F(x')[y] >= log F(x)[y] - sigma
 
 where ``phi`` are the model's own normalised activations (:mod:`lpa3_lightning.features`).
-The loop is the authors' code's (METHOD.md): ``delta ~ U(-0.01, 0.01)``; for ``t < T``:
+The loop is the authors' code's (docs/method.md): ``delta ~ U(-0.01, 0.01)``; for ``t < T``:
 ``step_t = sigma * 0.1**(t/T)``, ``lambda_t = lam * 0.1**(1 - t/T)``, gradient of
 ``-mean dist + lambda_t * mean relu(logp(x) - logp(x+delta) - sigma)`` w.r.t. ``delta``,
 normalised per sample, and a step of ``step_t / slope`` where the slope of ``log p`` along
@@ -14,7 +14,7 @@ the step comes from a finite difference with ``h = 0.1``.
 
 Improvement over the authors' code (``project=True``, the default): their step divides by
 the slope of ``log p``, which is near zero where the model is confident, so the step
-explodes and the constraint is often violated (METHOD.md: kept on 27% to 79% of samples).
+explodes and the constraint is often violated (docs/method.md: kept on 27% to 79% of samples).
 Here every returned ``x'`` that broke the constraint is pulled back towards ``x`` along
 its own perturbation by bisection, so ``log p(y|x') >= log p(y|x) - sigma`` holds for every
 sample under the forward the attack used. ``project=False`` returns the authors' loop as is.
@@ -36,10 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lpa3_lightning.dual_bn import has_dual_bn, use_twin_bn
-from lpa3_lightning.features import PerceptualFeatures, unwrap_compiled
+from lpa3_lightning.dual_bn import TwinStatistics, frozen_twin_bn, has_dual_bn
+from lpa3_lightning.features import PerceptualFeatures, output_to_logits, unwrap_compiled
 
-__all__ = ["AttackStats", "InputRange", "check_solver_arguments", "lpa3_attack", "resolve_input_range"]
+__all__ = [
+    "AttackStats", "InputRange", "MaxStep", "auto_max_step", "check_max_step", "check_solver_arguments", "full_float32",
+    "label_log_prob", "lpa3_attack", "parameter_dtype", "resolve_input_range",
+]
 
 #: Bounds as ``(low, high)`` (floats or per-channel sequences) or a normalisation
 #: ``{"mean": [...], "std": [...]}`` of inputs that lived in ``[0, 1]`` before it.
@@ -161,27 +164,65 @@ def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps
 
 
 @contextlib.contextmanager
-def _attack_mode(model: nn.Module, bn_mode: str) -> Iterator[None]:
-    """Put ``model`` in the attack's forward mode and restore every module's flag afterwards."""
+def _attack_mode(model: nn.Module, bn_mode: str,
+                 twin_statistics: TwinStatistics | None = None) -> Iterator[TwinStatistics | None]:
+    """Put ``model`` in the attack's forward mode and restore every module's flag afterwards.
+
+    Yields the frozen twin statistics in twin mode (filled when the block exits if they were
+    captured by its first forward), else None.
+    """
     flags = [(m, m.training) for m in model.modules()]
     try:
         # eval: BN uses running statistics (nothing moves) and dropout is off, so each
         # sample's output depends on that sample only and the constraint is exact per sample.
         model.eval()
         if bn_mode == "twin":
-            # The twins normalise with the batch statistics of the clean batch (the first
-            # forward of the attack), frozen for the rest of the call: the authors' twin-BN
-            # attack, but with samples that do not influence each other through the statistics.
-            with use_twin_bn(model, track_running_stats=False, freeze_statistics=True):
-                yield
+            # The twins normalise with the batch statistics of the clean batch (given, or
+            # captured by the first forward), frozen for the rest of the call: the authors'
+            # twin-BN attack, but with samples that do not influence each other through the
+            # statistics, and the same normalisation the training forward of x' uses
+            # (lpa3_lightning.augmented_forward).
+            with frozen_twin_bn(model, twin_statistics) as statistics:
+                yield statistics
         else:
-            yield
+            yield None
     finally:
         for m, training in flags:
             m.training = training
 
 
-def _parameter_dtype(model: nn.Module, default: torch.dtype) -> torch.dtype:
+def label_log_prob(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    *,
+    bn_mode: Literal["eval", "twin"] = "eval",
+    twin_statistics: TwinStatistics | None = None,
+    logits_fn: Callable[[Any], Tensor] | None = None,
+    temperature: float = 1.0,
+    allow_tf32: bool = False,
+) -> tuple[Tensor, TwinStatistics | None]:
+    """``log p(y|x)`` under the solver's forward (no gradient, nothing updated).
+
+    The reference the constraint is measured against: eval mode, autocast off, the
+    parameters' dtype; ``bn_mode="twin"`` normalises with ``twin_statistics`` or, when None,
+    captures the batch statistics of ``x`` and returns them; ``"eval"`` uses the main BN on
+    its running statistics (the deployed model).
+
+    Returns:
+        ``((N,) log-probabilities in float32, the twin statistics used or None)``.
+    """
+    model = unwrap_compiled(model)
+    to_logits = logits_fn or output_to_logits
+    x = x.detach().to(parameter_dtype(model, x.dtype))
+    with _attack_mode(model, bn_mode, twin_statistics) as statistics, torch.no_grad(), \
+            torch.autocast(x.device.type, enabled=False), full_float32(x.device, enabled=not allow_tf32):
+        logp = _label_logp(to_logits(model(x)), y.long(), temperature)
+    return logp, statistics
+
+
+def parameter_dtype(model: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The dtype of the model's first floating parameter (``default`` when it has none)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), default)
 
 
@@ -194,7 +235,7 @@ def _per_sample(v: Tensor, x: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def _full_float32(device: torch.device, enabled: bool = True) -> Iterator[None]:
+def full_float32(device: torch.device, enabled: bool = True) -> Iterator[None]:
     """TF32 off for cuDNN convolutions and cuBLAS matrix products on CUDA, restored after.
 
     Uses the precision settings a user is most likely to have touched: torch >= 2.9's
@@ -222,14 +263,51 @@ def _full_float32(device: torch.device, enabled: bool = True) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved_flags
 
 
-def check_max_step(max_step: float | None) -> None:
-    """Raise a ValueError naming ``max_step`` unless it is None or a positive finite number."""
-    if max_step is None:
+#: ``max_step="auto"``: each step at most this fraction of the input box's L2 diagonal.
+AUTO_MAX_STEP_FRACTION = 0.02
+#: Without a box, the box is estimated as +-2 batch standard deviations per input element.
+AUTO_BOX_STDS = 4.0
+
+MaxStep = Union[float, Literal["auto"], None]
+
+
+def check_max_step(max_step: MaxStep) -> None:
+    """Raise a ValueError naming ``max_step`` unless it is None, ``"auto"`` or a positive finite number."""
+    if max_step is None or max_step == "auto":
         return
     if isinstance(max_step, bool) or not isinstance(max_step, (int, float)) or not math.isfinite(max_step) \
             or max_step <= 0:
-        raise ValueError(f"`max_step` must be None (unbounded, the authors' step) or a positive finite number, got "
-                         f"{max_step!r}. Fix: use e.g. max_step=1.0, or None.")
+        raise ValueError(f"`max_step` must be 'auto' (default), None (unbounded, the authors' step) or a positive "
+                         f"finite number, got {max_step!r}. Fix: use 'auto', or e.g. max_step=1.0.")
+
+
+def auto_max_step(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> float:
+    """The default step bound: 2% of the L2 diagonal of the valid input box.
+
+    With a box ``(low, high)`` the diagonal is ``sqrt(sum over input elements of (high - low)^2)``
+    (56 for 1x28x28 inputs in [-1, 1], so the bound is 1.12). Without one it is estimated from
+    the batch as ``4 * sqrt(sum of per-element batch variances)`` (a box of +-2 standard
+    deviations), falling back to the samples' mean L2 norm for a single or constant batch.
+    Five steps then move ``x`` by at most about a tenth of the box diagonal: far enough for the
+    solver to find hard positives, not enough to turn a saturated sample into noise.
+
+    Example:
+        >>> x = torch.zeros(2, 1, 28, 28)
+        >>> round(auto_max_step(x, (torch.tensor(-1.0), torch.tensor(1.0))), 2)
+        1.12
+    """
+    sample = x[:1]
+    if bounds is not None:
+        width = (bounds[1] - bounds[0]).expand_as(sample)
+        diagonal = float(width.float().pow(2).sum().sqrt())
+    else:
+        flat = x.detach().float().flatten(1)
+        diagonal = AUTO_BOX_STDS * float(flat.var(dim=0, unbiased=False).sum().sqrt()) if flat.shape[0] > 1 else 0.0
+        if diagonal <= 0.0:
+            diagonal = float(flat.norm(dim=1).mean())
+        if diagonal <= 0.0:
+            diagonal = math.sqrt(flat.shape[1])
+    return AUTO_MAX_STEP_FRACTION * diagonal
 
 
 def lpa3_attack(
@@ -249,8 +327,9 @@ def lpa3_attack(
     bn_mode: Literal["eval", "twin"] = "eval",
     logits_fn: Callable[[Any], Tensor] | None = None,
     fast: bool = False,
-    max_step: float | None = None,
+    max_step: MaxStep = "auto",
     allow_tf32: bool = False,
+    twin_statistics: TwinStatistics | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, AttackStats]:
     """Generate LP-A3 hard positives ``x'`` for a batch.
@@ -288,15 +367,19 @@ def lpa3_attack(
             if none is feasible) instead of a bisection: ``steps + 3`` forwards and ``steps``
             input-gradient backwards, against ``2 * steps + 1`` forwards and ``steps`` full
             backwards for the authors' loop.
-        max_step: largest L2 length of one solver step in input space (not the authors'; None,
-            the default, is their unbounded step). The authors' step is ``sigma`` divided by
-            the finite-difference slope of ``log p``; where the model is saturated the slope is
-            ~0 and one step jumps to the edge of the input box (x' becomes clipped noise that
-            still keeps the label). A bound such as ``1.0`` keeps each step within ten times
-            the length over which the slope was measured (0.1).
+        max_step: largest L2 length of one solver step in input space (not the authors').
+            ``"auto"`` (default): :func:`auto_max_step`, 2% of the input box's L2 diagonal.
+            The authors' step is ``sigma`` divided by the finite-difference slope of ``log p``;
+            where the model is saturated the slope is ~0 and one step jumps to the edge of the
+            input box (``x'`` becomes clipped noise that still keeps the label). ``None`` is
+            their unbounded step; a number sets the bound.
         allow_tf32: let the solver's convolutions and matrix products use TF32 on CUDA (the
             precision the rest of the run uses). False (default): full float32 inside the
             solver, because TF32's ~3 significant digits are the scale of sigma itself.
+        twin_statistics: with ``bn_mode="twin"``, the frozen twin statistics to normalise
+            with (:func:`~lpa3_lightning.dual_bn.frozen_twin_bn`); None captures those of
+            ``x``. The callback captures them once per batch from all the selected clean
+            samples and trains ``x'`` with the same ones.
         return_stats: also return :class:`AttackStats`.
 
     Returns:
@@ -343,15 +426,17 @@ def lpa3_attack(
     # For the same reason TF32 (on by default for cuDNN convolutions on NVIDIA GPUs, ~3 digits)
     # is off inside the solver: measured on an H200, with it a re-evaluation of x' broke the
     # constraint by more than float noise on 2 of 64 samples.
-    x = x.detach().to(_parameter_dtype(model, x.dtype))
+    x = x.detach().to(parameter_dtype(model, x.dtype))
     bounds = resolve_input_range(input_range, x)
     feats = PerceptualFeatures(model, layers=layers, logits_fn=logits_fn)
 
     def clamp(v: Tensor) -> Tensor:
         return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
 
-    with _attack_mode(model, bn_mode), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
-            _full_float32(x.device, enabled=not allow_tf32):
+    step_bound = auto_max_step(x, bounds) if max_step == "auto" else max_step
+
+    with _attack_mode(model, bn_mode, twin_statistics), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
+            full_float32(x.device, enabled=not allow_tf32):
         with torch.no_grad():
             logits0, phi0 = feats(x)
             if logits0.dim() != 2 or int(y.max()) >= logits0.shape[1] or int(y.min()) < 0:
@@ -385,8 +470,8 @@ def lpa3_attack(
                     slope = (logp - logp_fd).abs() / FD_STEP
                 # fast: the first step's slope is reused (no extra forward after step 0)
                 length = step / (slope + SLOPE_EPS)
-                if max_step is not None:
-                    length = length.clamp(max=max_step)
+                if step_bound is not None:
+                    length = length.clamp(max=step_bound)
                 delta = clamp(x + delta - g_hat * _per_sample(length, x).to(x.dtype)) - x
 
         with torch.no_grad():

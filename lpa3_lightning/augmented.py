@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from lpa3_lightning.attack import AttackStats
+from lpa3_lightning.dual_bn import TwinStatistics
 
 __all__ = ["AugmentedBatch", "LPA3Request"]
 
@@ -43,6 +44,11 @@ class AugmentedBatch:
         stats: the solver's per-sample diagnostics of the freshly generated samples, when
             it ran (reused cached samples have none).
         reused: how many of the ``M`` came from the cache instead of the solver.
+        bn_mode: the normalisation the solver checked the constraint under: ``"twin"``
+            (twin BN) or ``"eval"`` (BN on running statistics), both with ``bn_statistics``.
+        bn_statistics: the statistics the solver normalised with: the twins' frozen batch
+            statistics of the clean selected samples, or a snapshot of the running statistics.
+        allow_tf32: whether the solver ran with TF32 (the training forward matches it).
     """
 
     inputs: Tensor
@@ -51,6 +57,9 @@ class AugmentedBatch:
     mask: Tensor
     stats: AttackStats | None = None
     reused: int = 0
+    bn_mode: str = "eval"
+    bn_statistics: TwinStatistics | None = None
+    allow_tf32: bool = False
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])

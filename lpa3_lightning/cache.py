@@ -8,9 +8,13 @@ expires ``K`` epochs after it was written, so every sample is attacked at most o
 
 The store is one tensor indexed by dataset index, allocated at the first write: in memory
 when it fits in ``max_bytes``, else in a memory-mapped file under ``directory`` (for large
-data sets); without a directory an over-large cache is refused with the fix. Only the
-in-memory store is checkpointed (exact resume); a file store restarts empty on resume
-(its entries are regenerated), since the file keeps changing after the checkpoint.
+data sets); without a directory an over-large cache is refused with the fix. Each entry
+keeps the label it was solved for and is reused only for that label (pseudo-labels change
+between epochs). The in-memory store is checkpointed only when asked
+(``state_dict(include_inputs=True)``; it can be as large as ``max_bytes``); a file store never
+is, since the file keeps changing after the checkpoint, and it is deleted by :meth:`close`
+(the callback calls it at the end of fit and on an exception). A store that was not saved
+restarts empty on resume (its entries are regenerated).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch import Tensor
 
 __all__ = ["AugmentationCache"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 added the labels the entries were solved for
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB in memory before a file is needed
 
 
@@ -68,6 +72,7 @@ class AugmentationCache:
         self.storage: Tensor | None = None
         self.file: Path | None = None
         self.written = torch.full((num_samples,), -1, dtype=torch.long)  # epoch of the entry, -1: none
+        self.labels = torch.full((num_samples,), -1, dtype=torch.long)  # label each entry was solved for
 
     @property
     def nbytes(self) -> int:
@@ -99,9 +104,14 @@ class AugmentationCache:
     def _young(self, written: Tensor, epoch: int) -> Tensor:
         return (written >= 0) & (epoch - written < self.every_n_epochs)
 
-    def fresh(self, indices: Tensor, epoch: int) -> Tensor:
-        """Which of ``indices`` have an entry young enough to reuse in ``epoch``."""
-        return self._young(self.written[self._check_indices(indices)], epoch).to(indices.device)
+    def fresh(self, indices: Tensor, epoch: int, labels: Tensor | None = None) -> Tensor:
+        """Which of ``indices`` have an entry young enough to reuse in ``epoch`` (and, with
+        ``labels``, solved for that label)."""
+        idx = self._check_indices(indices)
+        young = self._young(self.written[idx], epoch)
+        if labels is not None:
+            young &= self.labels[idx] == labels.detach().cpu().long()
+        return young.to(indices.device)
 
     def reusable_from_before(self, epoch: int) -> bool:
         """Whether any entry written before ``epoch`` is still fresh in it."""
@@ -113,8 +123,8 @@ class AugmentationCache:
             raise RuntimeError("The augmentation cache is empty.")
         return self.storage[self._check_indices(indices)]
 
-    def put(self, indices: Tensor, inputs: Tensor, epoch: int) -> None:
-        """Store ``x'`` for ``indices`` as generated in ``epoch``."""
+    def put(self, indices: Tensor, inputs: Tensor, epoch: int, labels: Tensor | None = None) -> None:
+        """Store ``x'`` for ``indices`` as generated in ``epoch`` (for ``labels``, when given)."""
         if indices.numel() == 0:
             return
         idx = self._check_indices(indices)
@@ -122,16 +132,27 @@ class AugmentationCache:
             self._allocate(tuple(inputs.shape[1:]), inputs.dtype)
         self.storage[idx] = inputs.detach().to("cpu", self.storage.dtype)  # type: ignore[index]
         self.written[idx] = epoch
+        self.labels[idx] = -1 if labels is None else labels.detach().cpu().long()
 
-    def state_dict(self) -> dict[str, Any]:
-        """An in-memory store travels in the checkpoint; a file store does not (it is not a
-        snapshot: the run keeps overwriting it), so a resumed file cache starts empty."""
-        in_memory = self.storage is not None and self.file is None
+    def close(self) -> None:
+        """Delete the memory-mapped file, if any (its entries are gone: the cache starts empty)."""
+        if self.file is not None:
+            self.storage = None
+            self.written.fill_(-1)
+            self.file.unlink(missing_ok=True)
+            self.file = None
+
+    def state_dict(self, include_inputs: bool = False) -> dict[str, Any]:
+        """With ``include_inputs`` an in-memory store travels in the checkpoint (exact resume);
+        otherwise, and always for a file store (not a snapshot: the run keeps overwriting it),
+        the resumed cache starts empty."""
+        saved = include_inputs and self.storage is not None and self.file is None
         return {
             "version": _STATE_VERSION,
             "num_samples": self.num_samples,
-            "written": self.written.clone() if in_memory else torch.full_like(self.written, -1),
-            "storage": self.storage.clone() if in_memory else None,
+            "written": self.written.clone() if saved else torch.full_like(self.written, -1),
+            "labels": self.labels.clone() if saved else torch.full_like(self.labels, -1),
+            "storage": self.storage.clone() if saved else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -141,5 +162,8 @@ class AugmentationCache:
                 f"has {self.num_samples}. Fix: resume with the same training data."
             )
         self.written = state["written"].clone()
+        # entries of a version-1 state were solved for the (fixed) true labels: -1 would never
+        # match, so those entries are regenerated
+        self.labels = state.get("labels", torch.full_like(self.written, -1)).clone()
         if state.get("storage") is not None:
             self.storage, self.file = state["storage"].clone(), None

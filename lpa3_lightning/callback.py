@@ -9,25 +9,34 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import default_collate
+from torchmetrics import MeanMetric, SumMetric
 
-from lpa3_lightning.attack import InputRange, check_max_step, check_solver_arguments, lpa3_attack
+from lpa3_lightning.attack import (
+    InputRange, MaxStep, check_max_step, check_solver_arguments, label_log_prob, lpa3_attack,
+)
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.augmented_forward import running_statistics
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
 from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
-from lpa3_lightning.dual_bn import DualSyncBatchNorm, has_dual_bn
+from lpa3_lightning.dual_bn import DualSyncBatchNorm, anchor_twin_parameters, has_dual_bn
 from lpa3_lightning.features import resolve_layers, unwrap_compiled
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
-from lpa3_lightning.selection import check_ratio
+from lpa3_lightning.selection import check_ratio, check_threshold_rule
 from lpa3_lightning.tcs import TimeConsistency
 from lpa3_lightning.visualize import comparison_grid
 
 __all__ = ["LPA3Callback"]
 
-_STATE_VERSION = 2  # 2 added the x' cache, the global RNG and the per-epoch update record
+_STATE_VERSION = 3  # 2 added the x' cache, the global RNG and the per-epoch update record; 3 the cache's labels
+
+#: Per-epoch diagnostics, each a torchmetrics aggregate synced across processes at epoch end.
+_EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "reused_fraction", "perceptual_distance",
+                "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
 
 
 def _global_rng_state() -> dict[str, Any]:
@@ -53,13 +62,19 @@ class LPA3Callback(Callback):
     before ``training_step``. After the step it updates the TCS memory from the clean
     logits the module recorded; after each epoch it refreshes the threshold.
 
-    Logged (through the Trainer's logger, per step and per epoch): ``lpa3/selected_fraction``
-    (the share of the batch that got an ``x'``), ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (fraction of ``x'`` with
-    ``log p(y|x') >= log p(y|x) - sigma``), ``lpa3/projected`` (fraction pulled back by the
-    bisection), ``lpa3/solver_seconds``, ``lpa3/reused_fraction`` (with a cache); per epoch
-    ``lpa3/threshold``, ``lpa3/tcs_selected_fraction`` (the share TCS selected, before a lone
-    sample or, with ``attack_new_selections=False``, an uncached one is left out),
-    ``lpa3/nonfinite_inputs`` and ``lpa3/nonfinite_predictions``.
+    Logged (through the Trainer's logger, ``<name>_step`` per step on each process and
+    ``<name>_epoch`` per epoch, averaged over all processes): ``lpa3/selected_fraction`` (the
+    share of the batch that got an ``x'``), ``lpa3/perceptual_distance``,
+    ``lpa3/label_preserved`` (share of the trained ``x'`` with ``log p(y|x') >= log p(y|x) -
+    sigma``, measured on the logits of the forward that trained on them, i.e. the module's
+    :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_forward_augmented`, against the clean
+    ``log p(y|x)`` under the same normalisation), ``lpa3/label_preserved_eval`` (the same
+    constraint in the deployed model: eval mode, main BN; a diagnostic),
+    ``lpa3/projected`` (fraction pulled back by the bisection), ``lpa3/solver_seconds``,
+    ``lpa3/reused_fraction`` (with a cache), ``lpa3/tcs_selected_fraction`` (the share TCS
+    selected, before a lone sample or, with ``attack_new_selections=False``, an uncached one is
+    left out); per epoch ``lpa3/threshold``, ``lpa3/nonfinite_inputs`` and
+    ``lpa3/nonfinite_predictions``.
 
     Args:
         ratio: fraction of samples given LP-A3 (tau), in (0, 1].
@@ -114,10 +129,22 @@ class LPA3Callback(Callback):
         fast: the cheaper solver of :func:`~lpa3_lightning.attack.lpa3_attack` (``fast=True``):
             one finite-difference forward in all, farthest feasible iterate instead of a bisection.
         max_step: largest L2 length of one solver step (see
-            :func:`~lpa3_lightning.attack.lpa3_attack`); None (default) is the authors'
-            unbounded step, which turns samples the model is saturated on into clipped noise.
+            :func:`~lpa3_lightning.attack.lpa3_attack`): ``"auto"`` (default) 2% of the input
+            box's diagonal; None is the authors' unbounded step, which turns samples the model
+            is saturated on into clipped noise; or a number.
         allow_tf32: let the solver use TF32 on CUDA; False (default) computes it in full
             float32 (see :func:`~lpa3_lightning.attack.lpa3_attack`).
+        initial_selection: before the first threshold exists (the first pass over the data),
+            ``"random"`` (default) selects a seeded random ``ratio`` share, the same on every
+            rank; ``"all"`` selects every sample (the authors').
+        threshold_rule: ``"count"`` (default) selects the ``round(ratio * N)`` least consistent
+            samples; ``"authors"`` the authors' rule, one fewer (see
+            :func:`~lpa3_lightning.selection.selection_threshold`).
+        checkpoint_cache: save the ``x'`` cache in checkpoints (up to ``cache_max_bytes``; a
+            file cache is never saved). False (default): checkpoints stay small and a resumed
+            run regenerates the ``x'`` it would have reused (its first epoch is a regeneration).
+        log_eval_preservation: log ``lpa3/label_preserved_eval`` (one extra no-grad forward of
+            the selected ``x`` and ``x'`` per step).
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -152,8 +179,12 @@ class LPA3Callback(Callback):
         log_images_every_n_epochs: int = 0,
         num_logged_images: int = 8,
         fast: bool = False,
-        max_step: float | None = None,
+        max_step: MaxStep = "auto",
         allow_tf32: bool = False,
+        initial_selection: Literal["random", "all"] = "random",
+        threshold_rule: Literal["count", "authors"] = "count",
+        checkpoint_cache: bool = False,
+        log_eval_preservation: bool = True,
     ) -> None:
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
@@ -174,6 +205,17 @@ class LPA3Callback(Callback):
         if not isinstance(fast, bool):
             raise ValueError(f"`fast` must be True or False, got {fast!r}.")
         self.fast = fast
+        if initial_selection not in ("random", "all"):
+            raise ValueError(f"`initial_selection` must be 'random' or 'all', got {initial_selection!r}. "
+                             "Fix: use 'random' ('all' is the authors' choice).")
+        self.initial_selection = initial_selection
+        check_threshold_rule(threshold_rule)
+        self.threshold_rule = threshold_rule
+        for name, value in (("checkpoint_cache", checkpoint_cache), ("log_eval_preservation", log_eval_preservation)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        self.checkpoint_cache = checkpoint_cache
+        self.log_eval_preservation = log_eval_preservation
         check_max_step(max_step)
         self.max_step = max_step
         if not isinstance(allow_tf32, bool):
@@ -227,6 +269,15 @@ class LPA3Callback(Callback):
         self._last_update_epoch = torch.zeros(0, dtype=torch.long)  # per sample: epoch of its last TCS update
         self._nonfinite_predictions = 0
         self.restore_rng = restore_rng
+        self._restored = False  # load_state_dict ran since the last fit started (a resume)
+        self._pending: tuple[Tensor, Tensor] | None = None  # (clean log p(y|x), y) of this batch's x'
+        self._warned_unmeasured = False
+        self._eval_preserved: Tensor | None = None
+        self._layer_names: list[str] | None = None  # resolved once, by a probe forward for the default
+        self._last_solver_seconds = 0.0
+        self._warned_no_range = False
+        self._epoch_metrics: dict[str, MeanMetric] = {}
+        self._nonfinite_inputs_metric = SumMetric()
 
     @property
     def state_key(self) -> str:
@@ -251,15 +302,22 @@ class LPA3Callback(Callback):
             raise ValueError("`attack_bn='twin'` needs twin BatchNorms in the model. Fix: call "
                              "`convert_dual_bn(model)` in the module, or use attack_bn='eval'.")
         self._resolved_range = self._resolve_range(trainer)
+        # aggregated per epoch across processes; every rank logs every key at every step
+        self._epoch_metrics = {name: MeanMetric(nan_strategy="ignore") for name in _EPOCH_MEANS
+                               if name != "reused_fraction" or self.regenerate_every_n_epochs > 1}
+        if not self.log_eval_preservation:
+            self._epoch_metrics.pop("label_preserved_eval")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's setup: Trainer(sync_batchnorm=True) converts BN only now.
         model = unwrap_compiled(pl_module.lpa3_model())
         self._refuse_dropped_twins(model)
+        # Under DDP every twin parameter joins every step's graph (a zero gradient in steps
+        # without x'), whatever the module's loss does: no "Expected to have finished reduction".
+        anchor_twin_parameters(model, trainer.world_size > 1)
         if trainer.world_size > 1:
-            twins_used = getattr(pl_module, "lpa3_twin_bn", True)
             synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)
-                      and (not isinstance(m, DualSyncBatchNorm) or not twins_used)]
+                      and not isinstance(m, DualSyncBatchNorm)]
             if synced:
                 raise ValueError(
                     "Under DDP the x' forward would pass through SyncBatchNorm, whose collectives only the ranks "
@@ -279,16 +337,43 @@ class LPA3Callback(Callback):
                 "`convert_dual_bn(model)` in the module."
             )
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._teardown(pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._teardown(pl_module)
+
+    def _teardown(self, pl_module: pl.LightningModule) -> None:
+        # the twin anchor is for the DDP fit only; a file cache is deleted with its run
+        if callable(getattr(pl_module, "lpa3_model", None)):
+            anchor_twin_parameters(unwrap_compiled(pl_module.lpa3_model()), False)
+        if self.cache is not None:
+            self.cache.close()
+        self._pending = None
+
     def _resolve_range(self, trainer: pl.Trainer) -> InputRange:
         if self.input_range != "auto":
             return self.input_range
         datamodule = getattr(trainer, "datamodule", None)
         normalization = getattr(datamodule, "normalization", None)
-        return dict(normalization) if isinstance(normalization, Mapping) else None
+        if isinstance(normalization, Mapping):
+            return dict(normalization)
+        if not self._warned_no_range:
+            rank_zero_warn(
+                "LPA3Callback(input_range='auto') found no `normalization` on the data module, so the solver clamps "
+                "x' to no input box: x' may leave the valid range of your inputs (e.g. pixels outside [0, 1]). Fix: "
+                "pass input_range=(low, high) or {'mean': [...], 'std': [...]} (the normalisation of [0, 1] data), "
+                "give the data module a `normalization` attribute, or pass input_range=None for unbounded inputs."
+            )
+            self._warned_no_range = True
+        return None
 
-    def _infer_num_samples(self, trainer: pl.Trainer) -> int:
+    def _infer_num_samples(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         if self.num_samples is not None:
             return self.num_samples
+        declared = getattr(pl_module, "lpa3_num_samples", None)  # e.g. FixMatch: the unlabeled set's size
+        if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
+            return declared
         loader = trainer.train_dataloader
         dataset = getattr(loader, "dataset", None)
         try:
@@ -296,7 +381,8 @@ class LPA3Callback(Callback):
         except TypeError:
             raise ValueError(
                 "LPA3Callback could not infer the training-set size from the train dataloader "
-                f"({type(loader).__name__}). Fix: pass `num_samples=` (the number of dataset indices)."
+                f"({type(loader).__name__}). Fix: pass `num_samples=` (the number of dataset indices), or set "
+                "`lpa3_num_samples` on the module."
             ) from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -312,44 +398,54 @@ class LPA3Callback(Callback):
                 f"{type(pl_module).__name__}.lpa3_num_classes must be the number of classes (int >= 2), got "
                 f"{num_classes!r}. Fix: set `self.lpa3_num_classes = num_classes` in __init__."
             )
-        num_samples = self._infer_num_samples(trainer)
+        num_samples = self._infer_num_samples(trainer, pl_module)
         if not all_equal(num_samples) or not all_equal(num_classes):
             raise ValueError(
                 "The processes disagree on the training-set size or the number of classes. Fix: give every rank "
                 "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank shards."
             )
         fresh = TimeConsistency(num_samples, num_classes, self.ratio, divergence=self.tcs_divergence,
-                                initial_memory=self.tcs_initial_memory)
+                                initial_memory=self.tcs_initial_memory, initial_selection=self.initial_selection,
+                                seed=0 if self.seed is None else self.seed, threshold_rule=self.threshold_rule)
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
             fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
         self.tcs = fresh
-        if self._last_update_epoch.numel() != num_samples:
+        if self._last_update_epoch.numel() != num_samples or not self._restored:
+            # A new fit counts epochs from 0 again: the record of the last one must not make it
+            # skip the updates of its first epochs. Only a resume continues the record.
             self._last_update_epoch = torch.full((num_samples,), -1, dtype=torch.long)
+        for metric in [*self._epoch_metrics.values(), self._nonfinite_inputs_metric]:
+            metric.to(pl_module.device)
         if self.regenerate_every_n_epochs > 1:
             cache = AugmentationCache(num_samples, self.regenerate_every_n_epochs, self.cache_max_bytes,
                                       self.cache_dir or Path(trainer.default_root_dir) / "lpa3_cache")
-            if self.cache is not None:
-                cache.load_state_dict(self.cache.state_dict())
+            if self.cache is not None and self._restored:  # an earlier fit's x' are not reused
+                cache.load_state_dict(self.cache.state_dict(include_inputs=True))
             self.cache = cache
+        self._restored = False
+        self._layer_names = None  # the model may differ from an earlier fit's
 
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         error: Exception | None = None
+        request: LPA3Request | None = None
+        memory = self._memory()
         try:
             request = pl_module.lpa3_request(batch)
-            self._check_request(request, self._memory().num_classes)
-        except (ValueError, TypeError) as exc:
+            self._check_request(request, memory.num_classes, memory.num_samples)
+        except Exception as exc:  # any refusal reaches every rank before the next collective
             error = exc
         self._raise_together(error)
         pl_module.lpa3_set_augmented(None)
+        self._pending = None
         if trainer.current_epoch < self.warmup_epochs:
             return
-        mask = self._select(request)
+        mask = self._select(request, trainer.current_epoch)  # type: ignore[arg-type]
         tcs_selected = int(mask.sum())  # before _augment leaves lone or uncached samples out
-        augmented = self._augment(trainer, pl_module, request, mask)
+        augmented = self._augment(trainer, pl_module, request, mask)  # type: ignore[arg-type]
         pl_module.lpa3_set_augmented(augmented)
-        self._log_batch(pl_module, request, augmented, tcs_selected)
+        self._log_batch(pl_module, request, augmented, tcs_selected)  # type: ignore[arg-type]
 
     @staticmethod
     def _raise_together(error: Exception | None) -> None:
@@ -361,8 +457,8 @@ class LPA3Callback(Callback):
             raise RuntimeError("LPA3Callback stopped because another process refused its batch; that process's "
                                "log has the reason and the fix.")
 
-    def _select(self, request: LPA3Request) -> Tensor:
-        mask = self._memory().select(request.indices).to(request.inputs.device)
+    def _select(self, request: LPA3Request, epoch: int) -> Tensor:
+        mask = self._memory().select(request.indices, epoch).to(request.inputs.device)
         finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else mask
         self._nonfinite = int((~finite).sum())
         mask = mask & finite  # NaN / Inf inputs are never attacked (counted in lpa3/nonfinite_inputs)
@@ -372,10 +468,19 @@ class LPA3Callback(Callback):
             mask = torch.zeros_like(mask)
         return mask
 
-    def _check_request(self, request: LPA3Request, num_classes: int) -> None:
+    def _check_request(self, request: LPA3Request, num_classes: int, num_samples: int) -> None:
         if not isinstance(request, LPA3Request):
             raise TypeError(f"`lpa3_request` must return an LPA3Request, got {type(request).__name__}.")
         n = request.inputs.shape[0]
+        if request.indices.is_floating_point() or request.indices.dtype == torch.bool:
+            raise ValueError(f"LPA3Request indices must be integer dataset indices, got {request.indices.dtype}. Fix: "
+                             "make the dataset return its index with each item (`lpa3_lightning.data.IndexedDataset`).")
+        if n and (int(request.indices.min()) < 0 or int(request.indices.max()) >= num_samples):
+            raise ValueError(
+                f"Dataset indices out of range: got values in [{int(request.indices.min())}, "
+                f"{int(request.indices.max())}] for a training set of {num_samples} samples. Fix: pass indices of the "
+                "training set itself (not of a subset or a concatenation), or `num_samples=` equal to its length."
+            )
         if request.targets.shape != (n,) or request.indices.shape != (n,):
             raise ValueError(
                 f"LPA3Request needs targets and indices of shape ({n},) for {n} inputs, got "
@@ -396,7 +501,8 @@ class LPA3Callback(Callback):
                  mask: Tensor) -> AugmentedBatch:
         x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
         epoch = trainer.current_epoch
-        reuse = self.cache.fresh(idx, epoch) if self.cache is not None else torch.zeros_like(mask[mask])
+        # a cached x' is reused only for the label it was solved for (pseudo-labels change)
+        reuse = self.cache.fresh(idx, epoch, y) if self.cache is not None else torch.zeros_like(mask[mask])
         new = ~reuse
         keep = torch.ones_like(reuse)
         if self.cache is not None and not self.attack_new_selections and not self._regeneration_epoch(epoch):
@@ -409,18 +515,50 @@ class LPA3Callback(Callback):
             mask = mask.clone()
             mask[mask.nonzero().flatten()[~keep]] = False
             x, y, idx, reuse, new = x[keep], y[keep], idx[keep], reuse[keep], new[keep]
-        x_out, stats = x.detach().clone(), None
-        x_new = x[new]
+        model = unwrap_compiled(pl_module.lpa3_model())
+        bn_mode = self._bn_mode(model)
+        if self._layer_names is None and x.shape[0]:
+            # the default layers are those whose hooks fire in the solver's forwards: probed once
+            self._layer_names = resolve_layers(model, self.layers, example_input=x)
+        x_out, stats, twin_statistics, bn_statistics = x.detach().clone(), None, None, None
         self._last_solver_seconds = 0.0
+        if x.shape[0]:
+            # The reference forward: the clean log p(y|x) of every selected sample under the
+            # normalisation that the solver checks and the training forward of x' uses (twins:
+            # the batch statistics of these clean samples, captured here and frozen).
+            reference, twin_statistics = label_log_prob(
+                model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
+                temperature=self.temperature, allow_tf32=self.allow_tf32)
+            self._pending = (reference, y)
+            bn_statistics = twin_statistics if bn_mode == "twin" else running_statistics(model)
+        x_new = x[new]
         if x_new.shape[0]:
-            x_new, stats = self._attack(pl_module, x_new, y[new])
+            x_new, stats = self._attack(pl_module, model, x_new, y[new], bn_mode, twin_statistics)
             x_out[new] = x_new
         if bool(reuse.any()):
             x_out[reuse] = self.cache.get(idx[reuse]).to(x.device, x.dtype)  # type: ignore[union-attr]
         if self.cache is not None:  # collective under DDP: every rank stores every rank's new x'
-            all_idx, all_new = gather_rows(idx[new], x_new.detach())
-            self.cache.put(all_idx, all_new, epoch)
-        return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()))
+            all_idx, all_new, all_labels = gather_rows(idx[new], x_new.detach(), y[new])
+            self.cache.put(all_idx, all_new, epoch, all_labels)
+        self._eval_preserved = None
+        if self.log_eval_preservation and x.shape[0]:
+            self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x, x_out, y)
+        return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()),
+                              bn_mode=bn_mode, bn_statistics=bn_statistics, allow_tf32=self.allow_tf32)
+
+    def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
+                                y: Tensor) -> Tensor:
+        """Whether each x' keeps the constraint in the deployed model (eval mode, main BN)."""
+        logp, _ = label_log_prob(model, torch.cat([x, x_adv]), torch.cat([y, y]), bn_mode="eval",
+                                 logits_fn=pl_module.lpa3_logits, temperature=self.temperature,  # type: ignore[arg-type]
+                                 allow_tf32=self.allow_tf32)
+        clean, adv = logp.chunk(2)
+        return adv >= clean - self.sigma
+
+    def _bn_mode(self, model: nn.Module) -> str:
+        if self.attack_bn == "auto":
+            return "twin" if has_dual_bn(model) else "eval"
+        return self.attack_bn
 
     def _regeneration_epoch(self, epoch: int) -> bool:
         # every K epochs after the warm-up; also when nothing from earlier epochs is left to
@@ -429,26 +567,24 @@ class LPA3Callback(Callback):
             return True
         return self.cache is not None and not self.cache.reusable_from_before(epoch)
 
-    def _attack(self, pl_module: pl.LightningModule, x: Tensor, y: Tensor) -> tuple[Tensor, Any]:
-        model = unwrap_compiled(pl_module.lpa3_model())
-        bn_mode = self.attack_bn
-        if bn_mode == "auto":
-            bn_mode = "twin" if has_dual_bn(model) else "eval"
+    def _attack(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor, bn_mode: str,
+                twin_statistics: Any) -> tuple[Tensor, Any]:
         start = time.perf_counter()
-        x_adv, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode)
+        x_adv, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode, twin_statistics)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
         self._last_solver_seconds = time.perf_counter() - start
         return x_adv, stats
 
     def _solve(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor,
-               generator: torch.Generator | None, bn_mode: str) -> tuple[Tensor, Any]:
+               generator: torch.Generator | None, bn_mode: str, twin_statistics: Any = None) -> tuple[Tensor, Any]:
         """The solver with this callback's settings (training batches and logged grids alike)."""
         return lpa3_attack(
-            model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam, layers=self.layers,
+            model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam,
+            layers=self._layer_names if self._layer_names is not None else self.layers,
             input_range=self._resolved_range, temperature=self.temperature, generator=generator,
             project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
-            max_step=self.max_step, allow_tf32=self.allow_tf32,
+            max_step=self.max_step, allow_tf32=self.allow_tf32, twin_statistics=twin_statistics,
             return_stats=True,
         )
 
@@ -463,32 +599,74 @@ class LPA3Callback(Callback):
                 self._generator_state = None
         return self._generator
 
+    def _log_mean(self, pl_module: pl.LightningModule, name: str, value: Tensor | float | None,
+                  weight: int) -> None:
+        """Per step on this process (when there is a value), per epoch over all processes.
+
+        Every process logs the epoch aggregate at every step, also without a value, so the
+        metric's cross-process sync at epoch end meets every process.
+        """
+        metric = self._epoch_metrics.get(name)
+        if metric is None:
+            return
+        key = f"lpa3/{name}"
+        if value is not None and weight > 0:
+            value = torch.as_tensor(value, dtype=torch.float32, device=pl_module.device)
+            metric.update(value, weight)
+            pl_module.log(f"{key}_step", value, on_step=True, on_epoch=False, batch_size=weight)
+        pl_module.log(f"{key}_epoch", metric, on_step=False, on_epoch=True, metric_attribute=f"_lpa3_{name}")
+
     def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch,
                    tcs_selected: int) -> None:
         n = request.inputs.shape[0]
-        pl_module.log("lpa3/selected_fraction", len(augmented) / max(n, 1), on_step=True, on_epoch=True, batch_size=n)
-        pl_module.log("lpa3/tcs_selected_fraction", tcs_selected / max(n, 1), on_step=False, on_epoch=True,
-                      batch_size=n)
-        pl_module.log("lpa3/nonfinite_inputs", float(self._nonfinite), on_step=False, on_epoch=True,
-                      reduce_fx="sum", batch_size=n, sync_dist=True)
-        if self.cache is not None and len(augmented):
-            pl_module.log("lpa3/reused_fraction", augmented.reused / len(augmented), on_step=True, on_epoch=True,
-                          batch_size=len(augmented))
-        if augmented.stats is not None and len(augmented.stats.preserved):
-            stats = augmented.stats
-            # per-sample statistics: averaged over the attacked samples, not the whole batch
-            # tensors, not floats: Lightning accumulates them without a host copy here
-            pl_module.log_dict({
-                "lpa3/perceptual_distance": stats.perceptual_distance.mean(),
-                "lpa3/label_preserved": stats.preserved.float().mean(),
-                "lpa3/projected": stats.projected.float().mean(),
-            }, on_step=True, on_epoch=True, batch_size=len(augmented))
-            pl_module.log("lpa3/solver_seconds", self._last_solver_seconds, on_step=True, on_epoch=True, batch_size=1)
+        self._log_mean(pl_module, "selected_fraction", len(augmented) / max(n, 1), n)
+        self._log_mean(pl_module, "tcs_selected_fraction", tcs_selected / max(n, 1), n)
+        self._nonfinite_inputs_metric.update(torch.tensor(float(self._nonfinite), device=pl_module.device))
+        pl_module.log("lpa3/nonfinite_inputs", self._nonfinite_inputs_metric, on_step=False, on_epoch=True,
+                      metric_attribute="_lpa3_nonfinite_inputs")
+        self._log_mean(pl_module, "reused_fraction", augmented.reused / max(len(augmented), 1), len(augmented))
+        stats = augmented.stats
+        solved = 0 if stats is None else len(stats.preserved)
+        # per-sample statistics: averaged over the solved samples, not the whole batch;
+        # tensors, not floats: Lightning accumulates them without a host copy here
+        self._log_mean(pl_module, "perceptual_distance", None if stats is None else stats.perceptual_distance.mean(),
+                       solved)
+        self._log_mean(pl_module, "projected", None if stats is None else stats.projected.float().mean(), solved)
+        self._log_mean(pl_module, "solver_seconds", self._last_solver_seconds if solved else None, 1 if solved else 0)
+        eval_kept = self._eval_preserved
+        self._log_mean(pl_module, "label_preserved_eval", None if eval_kept is None else eval_kept.float().mean(),
+                       0 if eval_kept is None else len(eval_kept))
+
+    def _log_trained_preservation(self, pl_module: pl.LightningModule, untaken: bool = False) -> None:
+        """``lpa3/label_preserved`` from the logits of the forward that trained on x'."""
+        logits = pl_module.lpa3_pop_augmented_logits() if hasattr(pl_module, "lpa3_pop_augmented_logits") else None
+        pending, self._pending = self._pending, None
+        kept: Tensor | None = None
+        if pending is not None:
+            reference, y = pending
+            if logits is not None and logits.shape[0] == y.shape[0]:
+                logp = F.log_softmax(logits.float() / self.temperature, dim=1).gather(1, y[:, None].long()).squeeze(1)
+                kept = logp >= reference.to(logp.device) - self.sigma
+            elif not untaken and not self._warned_unmeasured:
+                rank_zero_warn(
+                    f"{type(pl_module).__name__} trained on x' without `self.lpa3_forward_augmented(augmented)`, so "
+                    "LPA3Callback cannot measure whether x' keeps its label in the forward that trains on it "
+                    "(lpa3/label_preserved is not logged). Fix: compute the logits of x' with "
+                    "`self.lpa3_forward_augmented(augmented)`, which also trains them under the normalisation the "
+                    "solver verified."
+                )
+                self._warned_unmeasured = True
+        self._log_mean(pl_module, "label_preserved", None if kept is None else kept.float().mean(),
+                       0 if kept is None else len(kept))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         predictions = pl_module.lpa3_pop_predictions()
+        pending = getattr(pl_module, "lpa3_augmented_pending", None)
+        untaken = bool(pending()) if callable(pending) else False  # the module chose not to train on x'
         pl_module.lpa3_set_augmented(None)
+        if trainer.current_epoch >= self.warmup_epochs:
+            self._log_trained_preservation(pl_module, untaken)
         memory = self._memory()
         error: Exception | None = None
         if predictions is None:
@@ -531,10 +709,12 @@ class LPA3Callback(Callback):
         if self.log_images_every_n_epochs and trainer.current_epoch % self.log_images_every_n_epochs == 0 \
                 and trainer.is_global_zero:
             self._log_grid(trainer, pl_module)
-        pl_module.log("lpa3/nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True)
+        # the counts are of all ranks' gathered predictions: equal on every rank, like the threshold
+        pl_module.log("lpa3/nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True,
+                      reduce_fx="max")
         self._nonfinite_predictions = 0
         if self.tcs.has_threshold:
-            pl_module.log("lpa3/threshold", float(self.tcs.threshold), sync_dist=True)  # equal on every rank
+            pl_module.log("lpa3/threshold", float(self.tcs.threshold), sync_dist=True, reduce_fx="max")
 
     def _log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dataset = getattr(trainer.train_dataloader, "dataset", None)
@@ -571,12 +751,13 @@ class LPA3Callback(Callback):
     def state_dict(self) -> dict[str, Any]:
         generator_state = self._generator.get_state() if self._generator is not None else self._generator_state
         tcs_state = self.tcs.state_dict() if self.tcs is not None else None
-        cache_state = self.cache.state_dict() if self.cache is not None else None
+        cache_state = self.cache.state_dict(include_inputs=self.checkpoint_cache) if self.cache is not None else None
         return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state,
                 "augmentation_cache": cache_state, "global_rng": _global_rng_state(),
                 "last_update_epoch": self._last_update_epoch.clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = True
         tcs_state = state_dict.get("tcs")
         if tcs_state is not None:
             # Rebuilt from the checkpoint alone, so the state is there before training starts;
@@ -584,6 +765,8 @@ class LPA3Callback(Callback):
             self.tcs = TimeConsistency(
                 int(tcs_state["num_samples"]), int(tcs_state["num_classes"]), self.ratio,
                 divergence=self.tcs_divergence, initial_memory=self.tcs_initial_memory,
+                initial_selection=self.initial_selection, seed=0 if self.seed is None else self.seed,
+                threshold_rule=self.threshold_rule,
             )
             self.tcs.load_state_dict(tcs_state)
         self._generator_state = state_dict.get("generator_state")

@@ -70,7 +70,6 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
             convert_dual_bn(self.model)
         self.lpa3_num_classes = num_classes
         self.lpa3_weight = lpa3_weight
-        self.lpa3_twin_bn = twin_bn
         metrics = MetricCollection(
             {"acc": MulticlassAccuracy(num_classes, average="micro"), "auc": MulticlassAUROC(num_classes)}
         )

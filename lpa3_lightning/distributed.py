@@ -132,12 +132,12 @@ def gather_predictions(
                             None if targets is None else targets.to(probs.device, torch.long))
 
 
-def gather_rows(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Every rank's ``(indices, rows)`` (e.g. freshly generated ``x'``), deduplicated.
+def gather_rows(indices: Tensor, rows: Tensor, *more: Tensor) -> tuple[Tensor, ...]:
+    """Every rank's ``(indices, rows, *more)`` (e.g. freshly generated ``x'`` and their labels), deduplicated.
 
-    Collective like :func:`gather_predictions`; ``rows`` must have the same trailing shape
+    Collective like :func:`gather_predictions`; each tensor must have the same trailing shape
     on every rank (an empty ``(0, ...)`` tensor when a rank has none).
     """
     if not is_distributed():
-        return indices, rows
-    return _gather_by_index(indices.to(rows.device), rows)  # type: ignore[return-value]
+        return (indices, rows, *more)
+    return _gather_by_index(indices.to(rows.device), rows, *more)  # type: ignore[return-value]

@@ -1,7 +1,7 @@
 """Twin BatchNorm: a second set of BN statistics and affine parameters for augmented samples.
 
 Adversarial augmentations have different activation statistics from clean data; pooling
-them in one BatchNorm corrupts the statistics used at test time (METHOD.md measured about
+them in one BatchNorm corrupts the statistics used at test time (docs/method.md: measured about
 2.4 ACC points lost on BreastMNIST). Following the authors (and AdvProp, Xie et al. 2020),
 every BatchNorm gets a twin that only augmented samples go through.
 
@@ -16,19 +16,37 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
-    "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm",
-    "convert_dual_bn", "has_dual_bn", "twin_parameters", "use_twin_bn",
+    "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm", "TwinStatistics",
+    "anchor_twin_parameters", "convert_dual_bn", "frozen_twin_bn", "has_dual_bn", "twin_parameters", "use_twin_bn",
 ]
 
 #: The authors' momentum for the twin BN's running statistics.
 TWIN_MOMENTUM = 0.01
+
+
+@dataclass
+class TwinStatistics:
+    """Frozen per-layer batch statistics of the twin BatchNorms (one ``(mean, var)`` per twin).
+
+    Captured from the clean selected samples of a batch (see :func:`frozen_twin_bn`) and used
+    by every forward that must agree with the solver's: the solver's own, and the training
+    forward of ``x'``. With constant statistics each sample's output depends on that sample
+    alone, so the label constraint checked per sample holds for the batch as a whole.
+    """
+
+    values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.values)
 
 
 class _DualBatchNormMixin:
@@ -38,16 +56,24 @@ class _DualBatchNormMixin:
     _route_twin: bool
     _twin_track_stats: bool
     _twin_frozen: tuple[Tensor, Tensor] | str | None
+    _anchor_twin: bool
 
     def _init_twin(self, twin: _BatchNorm) -> None:
         self.twin = twin
         self._route_twin = False
         self._twin_track_stats = True
         self._twin_frozen = None
+        self._anchor_twin = False
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
         if not self._route_twin:
-            return super().forward(x)  # type: ignore[misc]
+            out = super().forward(x)  # type: ignore[misc]
+            if self._anchor_twin and torch.is_grad_enabled():
+                # Under DDP every parameter must receive a gradient in every step; a step (or a
+                # rank) without x' never uses the twins, so their parameters join the graph here
+                # with an exact zero (see anchor_twin_parameters).
+                out = out + sum(0.0 * p.sum() for p in self.twin.parameters())
+            return out
         twin = self.twin
         if self._twin_frozen is not None:
             return self._frozen_twin_forward(x)
@@ -196,6 +222,54 @@ def twin_parameters(model: nn.Module) -> list[nn.Parameter]:
 def has_dual_bn(model: nn.Module) -> bool:
     """Whether ``model`` has at least one twin BatchNorm (see :func:`convert_dual_bn`)."""
     return bool(_dual_layers(model))
+
+
+def anchor_twin_parameters(model: nn.Module, enabled: bool = True) -> None:
+    """Make every main-BN forward of ``model`` add ``0 * sum(twin parameters)`` (or stop it).
+
+    Under DistributedDataParallel a parameter that takes no part in a step's loss makes the
+    reducer wait forever ("Expected to have finished reduction"); the twins take part only in
+    steps with ``x'`` (none in a warm-up, none on a rank that selected nothing). Anchored, the
+    twins receive an exact zero gradient in those steps; the output is unchanged. The
+    callback turns this on for the fit under DDP, so a user's module cannot forget it.
+    """
+    for layer in _dual_layers(model):
+        layer._anchor_twin = bool(enabled)
+
+
+@contextlib.contextmanager
+def frozen_twin_bn(model: nn.Module, statistics: TwinStatistics | None = None) -> Iterator[TwinStatistics]:
+    """Route forwards through the twins with frozen batch statistics.
+
+    With ``statistics`` the twins normalise with them; without, the first forward inside the
+    block captures its own batch statistics (into the yielded object, filled when the block
+    exits) and every later forward reuses them. Running buffers are never updated, and the
+    module's train/eval flag does not matter: the statistics are given.
+
+    Raises:
+        ValueError: if ``model`` has no twin BatchNorm, or ``statistics`` has another number
+            of layers than the model has twins.
+    """
+    layers = _dual_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first.")
+    if statistics is not None and len(statistics) != len(layers):
+        raise ValueError(f"`statistics` holds {len(statistics)} layers but the model has {len(layers)} twin "
+                         "BatchNorms. Fix: pass statistics captured from this model.")
+    captured = TwinStatistics() if statistics is None else statistics
+    saved = [(layer._route_twin, layer._twin_track_stats, layer._twin_frozen) for layer in layers]
+    try:
+        for i, layer in enumerate(layers):
+            layer._route_twin = True
+            layer._twin_frozen = "capture" if statistics is None else statistics.values[i]
+        yield captured
+        if statistics is None and all(isinstance(layer._twin_frozen, tuple) for layer in layers):
+            captured.values = [layer._twin_frozen for layer in layers]  # type: ignore[misc]
+    finally:
+        for layer, (route, track, frozen) in zip(layers, saved):
+            layer._route_twin = route
+            layer._twin_track_stats = track
+            layer._twin_frozen = frozen
 
 
 @contextlib.contextmanager

@@ -13,7 +13,9 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["check_ratio", "select_below_threshold", "selection_threshold"]
+__all__ = [
+    "check_ratio", "check_threshold_rule", "random_selection", "select_below_threshold", "selected_count", "selection_threshold",
+]
 
 
 def check_ratio(ratio: float) -> float:
@@ -30,34 +32,77 @@ def check_ratio(ratio: float) -> float:
     return float(ratio)
 
 
-def selection_threshold(scores: Tensor, ratio: float) -> Tensor:
-    """The TCS value below which a sample is selected, as in the authors' code.
+def selected_count(num_samples: int, ratio: float) -> int:
+    """How many of ``num_samples`` the rule selects: ``round(ratio * N)``, at least 1.
 
-    Scores are sorted in descending order and the threshold is the value at rank
-    ``floor((1 - ratio) * N)``; selecting ``score < threshold`` then picks about the
-    ``ratio`` least consistent samples. For ``ratio == 1`` the threshold is ``+inf`` so that
-    every sample is selected (the authors' strict comparison would leave out the most
-    consistent one).
+    Example:
+        >>> selected_count(546, 0.5), selected_count(10, 0.01)
+        (273, 1)
+    """
+    return min(num_samples, max(1, int(math.floor(ratio * num_samples + 0.5))))
+
+
+def check_threshold_rule(rule: str) -> None:
+    """Raise a ValueError naming ``threshold_rule`` unless it is ``"count"`` or ``"authors"``."""
+    if rule not in ("count", "authors"):
+        raise ValueError(f"`threshold_rule` must be 'count' (select round(ratio * N)) or 'authors', got {rule!r}. "
+                         "Fix: use 'count'.")
+
+
+def selection_threshold(scores: Tensor, ratio: float, rule: str = "count") -> Tensor:
+    """The TCS value below which a sample is selected: the ``k = round(ratio * N)`` lowest.
+
+    The threshold is the ``(k + 1)``-th lowest score, so ``score < threshold`` selects exactly
+    the ``k`` least consistent samples when scores are distinct (ties at the threshold are
+    left out together). ``ratio == 1`` gives ``+inf``: every sample is selected.
+
+    Departure from the authors' code (``rule="authors"`` restores theirs): they take the value
+    at rank ``floor((1 - ratio) * N)`` of the scores sorted descending, and the strict
+    comparison then selects ``ceil(ratio * N) - 1`` samples (one fewer than documented). With
+    either rule ``ratio == 1`` selects every sample.
 
     Args:
         scores: ``(N,)`` TCS scores of the samples seen in the last pass (higher = more consistent).
         ratio: fraction to select, in (0, 1].
+        rule: ``"count"`` (default, ``round(ratio * N)`` selected) or ``"authors"``.
 
     Returns:
         A 0-dim tensor with the threshold (dtype and device of ``scores``).
 
     Example:
         >>> float(selection_threshold(torch.tensor([0.0, -1.0, -2.0, -3.0]), 0.5))
-        -2.0
+        -1.0
     """
     ratio = check_ratio(ratio)
     if scores.dim() != 1 or scores.numel() == 0:
         raise ValueError(f"`scores` must be a non-empty 1-D tensor, got shape {tuple(scores.shape)}.")
+    check_threshold_rule(rule)
     if ratio >= 1.0:
         return torch.tensor(math.inf, dtype=scores.dtype, device=scores.device)
-    rank = int(math.floor((1.0 - ratio) * scores.numel()))
-    ordered = torch.sort(scores, descending=True).values
-    return ordered[min(rank, scores.numel() - 1)]
+    if rule == "authors":
+        rank = int(math.floor((1.0 - ratio) * scores.numel()))
+        return torch.sort(scores, descending=True).values[min(rank, scores.numel() - 1)]
+    k = selected_count(scores.numel(), ratio)
+    if k >= scores.numel():
+        return torch.tensor(math.inf, dtype=scores.dtype, device=scores.device)
+    return torch.sort(scores).values[k]
+
+
+def random_selection(indices: Tensor, num_samples: int, ratio: float, seed: int, epoch: int) -> Tensor:
+    """Before the first threshold: a random ``round(ratio * N)`` of the data set per epoch.
+
+    A seeded permutation of all dataset indices, drawn from ``(seed, epoch)`` alone, so every
+    rank agrees and a resumed run draws the same share; the ``k`` first of it are selected.
+
+    Example:
+        >>> int(random_selection(torch.arange(10), 10, 0.3, seed=0, epoch=0).sum())
+        3
+    """
+    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    order = torch.randperm(num_samples, generator=generator)
+    chosen = torch.zeros(num_samples, dtype=torch.bool)
+    chosen[order[: selected_count(num_samples, ratio)]] = True
+    return chosen[indices.cpu().long()].to(indices.device)
 
 
 def select_below_threshold(scores: Tensor, threshold: Tensor | None) -> Tensor:

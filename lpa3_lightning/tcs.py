@@ -6,7 +6,7 @@ divergence between consecutive predictions. Higher ``c`` = more consistent. At t
 each pass over the data a threshold is refreshed and the least consistent ``ratio`` of the
 samples are selected for LP-A3 (see :mod:`lpa3_lightning.selection`).
 
-Defaults are the authors' code's (METHOD.md): ``a = mean_c p_t * (log p_t - log p_prev)``
+Defaults are the authors' code's (docs/method.md): ``a = mean_c p_t * (log p_t - log p_prev)``
 (``F.kl_div(log p_prev, p_t).mean(1)``, i.e. KL(p_t || p_prev) / C) and
 ``c_t = 0.01 * c_{t-1} - 0.99 * a_t``. ``divergence="paper"`` uses the paper's
 ``KL(p_prev || p_t) + |log p_prev[y] / p_t[y]|`` instead.
@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lpa3_lightning.selection import check_ratio, select_below_threshold, selection_threshold
+from lpa3_lightning.selection import (
+    check_ratio, check_threshold_rule, random_selection, select_below_threshold, selection_threshold,
+)
 
 __all__ = ["TimeConsistency", "tcs_divergence", "tcs_update"]
 
@@ -93,18 +95,24 @@ class TimeConsistency:
         divergence: ``"code"`` (default, the authors' code) or ``"paper"``.
         initial_memory: ``"uniform"`` (default, a distribution) or ``"authors"`` (1.01s).
         device: where the memory lives (CPU by default: N x C floats need no GPU memory).
+        initial_selection: before the first threshold exists, ``"random"`` (default) selects a
+            seeded random ``ratio`` share of the data set each epoch; ``"all"`` selects every
+            sample (the authors').
+        seed: seed of that random share.
+        threshold_rule: ``"count"`` (default: the ``round(ratio * N)`` lowest scores) or
+            ``"authors"`` (see :func:`~lpa3_lightning.selection.selection_threshold`).
 
     Raises:
         ValueError: on a bad argument, naming it and the fix.
 
     Example:
         >>> tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
-        >>> tcs.select(torch.arange(4)).tolist()  # no threshold yet: all selected
-        [True, True, True, True]
-        >>> tcs.update(torch.arange(4), torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.99, 0.01], [0.6, 0.4]]))
+        >>> int(tcs.select(torch.arange(4)).sum())  # no threshold yet: a random half
+        2
+        >>> _ = tcs.update(torch.arange(4), torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.99, 0.01], [0.6, 0.4]]))
         >>> tcs.refresh_threshold()
-        >>> tcs.select(torch.arange(4)).tolist()  # the least consistent (most changed) sample
-        [False, False, True, False]
+        >>> tcs.select(torch.arange(4)).tolist()  # the two least consistent (most changed) samples
+        [False, True, True, False]
     """
 
     def __init__(
@@ -116,6 +124,9 @@ class TimeConsistency:
         divergence: Literal["code", "paper"] = "code",
         initial_memory: Literal["uniform", "authors"] = "uniform",
         device: torch.device | str = "cpu",
+        initial_selection: Literal["random", "all"] = "random",
+        seed: int = 0,
+        threshold_rule: Literal["count", "authors"] = "count",
     ) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int (the training set size), got {num_samples!r}.")
@@ -127,6 +138,14 @@ class TimeConsistency:
             raise ValueError(f"`divergence` must be 'code' or 'paper', got {divergence!r}.")
         if initial_memory not in ("uniform", "authors"):
             raise ValueError(f"`initial_memory` must be 'uniform' or 'authors', got {initial_memory!r}.")
+        if initial_selection not in ("random", "all"):
+            raise ValueError(f"`initial_selection` must be 'random' or 'all', got {initial_selection!r}. "
+                             "Fix: use 'random' ('all' is the authors' choice).")
+        self.initial_selection = initial_selection
+        check_threshold_rule(threshold_rule)
+        self.threshold_rule = threshold_rule
+        self.seed = int(seed)
+        self._random_share: tuple[int, Tensor] | None = None  # (epoch, mask over all samples)
         self.num_samples = num_samples
         self.num_classes = num_classes
         self.ratio = check_ratio(ratio)
@@ -187,16 +206,25 @@ class TimeConsistency:
         """Recompute the threshold from the scores of every sample seen so far (end of a pass)."""
         valid = self.seen & torch.isfinite(self.scores)  # a non-finite score must not set the threshold
         if bool(valid.any()):
-            self.threshold = selection_threshold(self.scores[valid], self.ratio)
+            self.threshold = selection_threshold(self.scores[valid], self.ratio, self.threshold_rule)
 
     @property
     def has_threshold(self) -> bool:
         return not bool(torch.isnan(self.threshold))
 
-    def select(self, indices: Tensor) -> Tensor:
-        """Boolean mask over ``indices``: True for the samples that get LP-A3."""
+    def select(self, indices: Tensor, epoch: int = 0) -> Tensor:
+        """Boolean mask over ``indices``: True for the samples that get LP-A3.
+
+        Before the first threshold, a random ``ratio`` share drawn per ``epoch``
+        (``initial_selection="random"``) or every sample (``"all"``).
+        """
         indices = self._check_indices(indices)
-        return select_below_threshold(self.scores[indices], self.threshold)
+        if self.has_threshold or self.initial_selection == "all":
+            return select_below_threshold(self.scores[indices], self.threshold)
+        if self._random_share is None or self._random_share[0] != epoch:
+            everyone = torch.arange(self.num_samples)
+            self._random_share = (epoch, random_selection(everyone, self.num_samples, self.ratio, self.seed, epoch))
+        return self._random_share[1].to(self.device)[indices]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (tensors on CPU)."""

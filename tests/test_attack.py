@@ -67,9 +67,9 @@ def test_authors_loop_breaks_the_constraint_where_the_default_keeps_it():
     net = confident_cnn()
     x, y = confident_batch()
     gen = torch.Generator().manual_seed(0)
-    x_raw, raw = lpa3_attack(net, x, y, project=False, return_stats=True, generator=gen)
+    x_raw, raw = lpa3_attack(net, x, y, project=False, max_step=None, return_stats=True, generator=gen)
     gen = torch.Generator().manual_seed(0)
-    x_proj, proj = lpa3_attack(net, x, y, project=True, return_stats=True, generator=gen)
+    x_proj, proj = lpa3_attack(net, x, y, project=True, max_step=None, return_stats=True, generator=gen)
     assert float(raw.preserved.float().mean()) < 1.0
     assert bool(proj.preserved.all())
     # the bisection only touches violating samples: the others are the authors' x' exactly
@@ -88,7 +88,7 @@ def test_hard_positive_is_farther_in_feature_space_than_random_noise_of_same_siz
         net = small_cnn()
         net.eval()
         x, y = _batch(16)
-    x_adv, stats = lpa3_attack(net, x, y, sigma=0.02, input_range=(-3.0, 3.0), return_stats=True,
+    x_adv, stats = lpa3_attack(net, x, y, sigma=0.02, input_range=(-3.0, 3.0), max_step=None, return_stats=True,
                                generator=torch.Generator().manual_seed(0))
     if model == "confident":
         assert bool(stats.projected.any())
@@ -369,7 +369,8 @@ def test_max_step_bounds_the_distance_where_the_authors_step_jumps():
     """On a saturated model the slope is ~0 and the authors' step sigma/slope is huge; max_step caps it."""
     net = confident_cnn()
     x, y = confident_batch()
-    free, free_stats = lpa3_attack(net, x, y, return_stats=True, generator=torch.Generator().manual_seed(0))
+    free, free_stats = lpa3_attack(net, x, y, max_step=None, return_stats=True,
+                                   generator=torch.Generator().manual_seed(0))
     capped, stats = lpa3_attack(net, x, y, max_step=0.5, return_stats=True, generator=torch.Generator().manual_seed(0))
     # start noise (+-0.01 per value) plus 5 steps of at most 0.5; a bisection only shortens
     bound = 0.01 * x[0].numel() ** 0.5 + 5 * 0.5
@@ -387,9 +388,33 @@ def test_a_max_step_longer_than_any_step_changes_nothing_and_a_short_one_does():
     def attack(**kwargs):
         return lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0), **kwargs)
 
-    default = attack()
+    default = attack(max_step=None)
     assert torch.equal(attack(max_step=1e30), default)
     assert not torch.equal(attack(max_step=1e-3), default)
+
+
+@pytest.mark.parametrize("box", [(-1.0, 1.0), None])
+def test_auto_max_step_is_the_default_and_bounds_the_move(box):
+    """Out of the box no x' becomes clipped noise: five steps of at most 2% of the box diagonal."""
+    net = confident_cnn()
+    x, y = confident_batch()
+    if box is not None:
+        x = x.clamp(*box)  # samples inside their box: any move is the solver's, not the clamp's
+    gen = torch.Generator
+    default, stats = lpa3_attack(net, x, y, input_range=box, return_stats=True, generator=gen().manual_seed(0))
+    assert torch.equal(default, lpa3_attack(net, x, y, input_range=box, max_step="auto", generator=gen().manual_seed(0)))
+    if box is not None:
+        diagonal = (box[1] - box[0]) * x[0].numel() ** 0.5  # computed here, not by auto_max_step
+    else:
+        diagonal = 4.0 * float(x.flatten(1).var(dim=0, unbiased=False).sum().sqrt())
+    bound = 0.01 * x[0].numel() ** 0.5 + 5 * 0.02 * diagonal
+    l2 = (default - x).flatten(1).norm(dim=1)
+    assert float(l2.max()) <= bound + 1e-4
+    free = lpa3_attack(net, x, y, input_range=box, max_step=None, generator=gen().manual_seed(0))
+    assert float((free - x).flatten(1).norm(dim=1).max()) > bound  # what the default prevents here
+    drop = _logp(net, x, y) - _logp(net, default, y)
+    assert bool((drop <= 0.02 + 1e-6).all())
+    assert float(stats.perceptual_distance.mean()) > 0
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
@@ -422,7 +447,7 @@ def _precision_state() -> tuple:
 @pytest.mark.parametrize("setting", ["default", "medium", "new_api", "legacy"])
 def test_tf32_switch_restores_every_way_of_setting_precision(setting):
     """The CUDA branch only flips flags, so it runs on a CPU build too (no kernel is launched)."""
-    from lpa3_lightning.attack import _full_float32
+    from lpa3_lightning.attack import full_float32
 
     conv = getattr(torch.backends.cudnn, "conv", None)
     has_new_api = conv is not None and hasattr(conv, "fp32_precision")
@@ -437,14 +462,14 @@ def test_tf32_switch_restores_every_way_of_setting_precision(setting):
         elif setting == "legacy":
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
         before = _precision_state()
-        with pytest.raises(KeyError), _full_float32(torch.device("cuda")):
+        with pytest.raises(KeyError), full_float32(torch.device("cuda")):
             if has_new_api:
                 assert (conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == ("ieee", "ieee")
             else:
                 assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
             raise KeyError("restored on the way out too")
         assert _precision_state() == before  # also: as readable as before
-        with _full_float32(torch.device("cpu")):
+        with full_float32(torch.device("cpu")):
             assert _precision_state() == before  # nothing to do on the CPU
     finally:
         torch.set_float32_matmul_precision("highest")

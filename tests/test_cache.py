@@ -49,10 +49,37 @@ def test_in_memory_state_round_trip_and_size_check():
     cache = AugmentationCache(4, 2)
     cache.put(torch.tensor([3]), torch.full((1, 2), 7.0), epoch=2)
     restored = AugmentationCache(4, 2)
-    restored.load_state_dict(cache.state_dict())
+    restored.load_state_dict(cache.state_dict(include_inputs=True))
     assert torch.equal(restored.get(torch.tensor([3])), torch.full((1, 2), 7.0))
     with pytest.raises(ValueError, match="same training data"):
         AugmentationCache(5, 2).load_state_dict(cache.state_dict())
+
+
+def test_checkpoint_state_holds_no_inputs_unless_asked():
+    cache = AugmentationCache(4, 2)
+    cache.put(torch.tensor([3]), torch.full((1, 2), 7.0), epoch=2)
+    state = cache.state_dict()
+    assert state["storage"] is None and bool((state["written"] == -1).all())
+    restored = AugmentationCache(4, 2)
+    restored.load_state_dict(state)
+    assert restored.fresh(torch.tensor([3]), epoch=2).tolist() == [False]  # regenerated after a resume
+
+
+def test_close_deletes_the_memory_mapped_file(tmp_path):
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path)
+    cache.put(torch.tensor([1]), torch.zeros(1, 3), epoch=0)
+    path = cache.file
+    assert path is not None and path.exists()
+    cache.close()
+    assert not path.exists() and cache.file is None
+    assert cache.fresh(torch.tensor([1]), epoch=0).tolist() == [False]
+    cache.close()  # twice is fine
+
+
+def test_an_entry_is_reused_only_for_the_label_it_was_solved_for():
+    cache = AugmentationCache(4, 3)
+    cache.put(torch.tensor([0, 1]), torch.ones(2, 2), epoch=0, labels=torch.tensor([2, 1]))
+    assert cache.fresh(torch.tensor([0, 1]), epoch=1, labels=torch.tensor([2, 0])).tolist() == [True, False]
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [({"every_n_epochs": 0}, "regenerate_every_n_epochs"),

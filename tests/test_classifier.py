@@ -35,10 +35,13 @@ def test_loss_is_clean_plus_augmented_cross_entropy_through_the_twin():
     module = LPA3Classifier(model=small_cnn(num_classes=3), num_classes=3)
     module.train()
     x, y, idx = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0]), torch.arange(4)
+    from lpa3_lightning.attack import label_log_prob
     from lpa3_lightning.augmented import AugmentedBatch
 
     x_adv = x[:2] + 0.1
-    module.lpa3_set_augmented(AugmentedBatch(x_adv, y[:2], idx[:2], torch.tensor([True, True, False, False])))
+    _, statistics = label_log_prob(module.model, x[:2], y[:2], bn_mode="twin")  # as the callback captures them
+    module.lpa3_set_augmented(AugmentedBatch(x_adv, y[:2], idx[:2], torch.tensor([True, True, False, False]),
+                                             bn_mode="twin", bn_statistics=statistics))
     main_mean = module.model[1].running_mean.clone()
     twin_mean = module.model[1].twin.running_mean.clone()
     loss, logits, parts = module.lpa3_supervised_loss((x, y, idx))
@@ -46,9 +49,21 @@ def test_loss_is_clean_plus_augmented_cross_entropy_through_the_twin():
     torch.testing.assert_close(parts["loss_clean"], clean.detach())
     torch.testing.assert_close(loss.detach(), parts["loss_clean"] + parts["loss_aug"])
     assert int(parts["num_augmented"]) == 2 and float(parts["loss_aug"]) > 0
-    # main BN moved once (clean batch only), the twin once (x' only)
+    # x' trained through the twins on the clean selected samples' statistics: an eval-mode copy
+    # whose twins carry those statistics as running statistics gives the same loss (no dropout)
+    import copy
+
+    ref = copy.deepcopy(module.model).eval()
+    for layer, (mean, var) in zip([m for m in ref.modules() if hasattr(m, "twin")], statistics.values):
+        layer.twin.running_mean.copy_(mean)
+        layer.twin.running_var.copy_(var)
+        layer._route_twin = True
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(ref(x_adv), y[:2])
+    torch.testing.assert_close(parts["loss_aug"], expected, atol=1e-5, rtol=1e-5)
+    # main BN moved once (clean batch only); the twins' running statistics stay (frozen statistics)
     assert not torch.equal(module.model[1].running_mean, main_mean)
-    assert not torch.equal(module.model[1].twin.running_mean, twin_mean)
+    assert torch.equal(module.model[1].twin.running_mean, twin_mean)
     assert module.lpa3_take_augmented() is None  # consumed
     recorded = module.lpa3_pop_predictions()
     assert recorded is not None and torch.equal(recorded[0], idx)
@@ -86,5 +101,5 @@ def test_readme_custom_module_example_runs(tmp_path):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     logged = example.main(max_epochs=2, limit_train_batches=2, default_root_dir=str(tmp_path))
-    assert logged["lpa3/label_preserved_epoch"] == 1.0
+    assert logged["lpa3/label_preserved_epoch"] >= 0.99  # measured in the training forward
     assert 0 < logged["lpa3/selected_fraction_epoch"] <= 1.0

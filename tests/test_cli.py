@@ -34,7 +34,7 @@ def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path
         assert not callbacks
     else:
         assert len(callbacks) == 1 and callbacks[0].ratio == ratio and callbacks[0].sigma == 0.02
-        assert callbacks[0].max_step == (1.0 if name == "lpa3_maxstep1" else None)
+        assert callbacks[0].max_step == (1.0 if name == "lpa3_maxstep1" else "auto")
     assert cli.datamodule.hparams.randaugment is randaugment
     if not name.startswith("demo"):
         assert cli.trainer.max_epochs == 100 and list(cli.model.hparams.milestones) == [50, 75]

@@ -129,3 +129,26 @@ def test_gather_is_a_no_op_in_one_process_and_dedup_keeps_first():
     assert deduplicate_first(torch.tensor([5, 5, 1, 5, 1])).tolist() == [True, False, True, False, False]
     assert deduplicate_first(torch.tensor([], dtype=torch.long)).numel() == 0
     assert bytes_per_sample(10) == 8 + 40 + 8
+
+
+def test_a_user_written_module_trains_through_warmup_under_ddp(tmp_path):
+    """The README recipe has no twin anchor of its own: the callback ties the twins into every
+    step, so the warm-up (no x' anywhere) does not fail with unused parameters."""
+    rank0, rank1 = _launch(tmp_path, "user_module")
+    for state in (rank0, rank1):
+        assert state["seen_augmented"][: N // (2 * PER_RANK_BATCH)] == [0] * (N // (2 * PER_RANK_BATCH))
+        assert sum(state["seen_augmented"]) > 0  # after the warm-up x' was trained
+    torch.testing.assert_close(rank0["tcs"]["scores"], rank1["tcs"]["scores"])
+    # DDP kept the replicas equal, twins included (BN running statistics are per rank after the last step)
+    for key, value in rank0["params"].items():
+        if "running" not in key and "tracked" not in key:
+            torch.testing.assert_close(value, rank1["params"][key], msg=key)
+    assert "lpa3/label_preserved_epoch" in rank0["metrics"]
+
+
+@pytest.mark.parametrize("mode, reason", [("bad_index_rank1", "Dataset indices out of range"),
+                                          ("crash_rank1", "lpa3_request failed on one rank")])
+def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
+    done = _run(tmp_path, mode)
+    assert done.returncode != 0
+    assert reason in done.stdout + done.stderr

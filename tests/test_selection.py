@@ -21,7 +21,7 @@ def _ref_threshold(scores: list[float], ratio: float) -> float:
 def test_threshold_matches_reference(n: int, ratio: float) -> None:
     g = torch.Generator().manual_seed(1000 * n + int(ratio * 100))
     scores = torch.randn(n, generator=g, dtype=torch.float64)
-    thr = selection_threshold(scores, ratio)
+    thr = selection_threshold(scores, ratio, rule="authors")
     assert thr.dim() == 0 and thr.dtype == torch.float64
     ref = _ref_threshold(scores.tolist(), ratio)
     assert float(thr) == ref
@@ -32,17 +32,49 @@ def test_threshold_matches_reference(n: int, ratio: float) -> None:
 def test_threshold_with_ties_and_float32() -> None:
     scores = torch.tensor([-1.0, -1.0, -1.0, 0.0, -2.0, -2.0], dtype=torch.float32)
     for ratio in (0.2, 0.5, 0.8):
-        thr = selection_threshold(scores, ratio)
+        thr = selection_threshold(scores, ratio, rule="authors")
         assert thr.dtype == torch.float32
         assert float(thr) == _ref_threshold(scores.tolist(), ratio)
     # rank floor(0.5*6)=3 of [0,-1,-1,-1,-2,-2] is -1: only the -2s are strictly below
-    assert select_below_threshold(scores, selection_threshold(scores, 0.5)).tolist() == [
+    assert select_below_threshold(scores, selection_threshold(scores, 0.5, rule="authors")).tolist() == [
         False, False, False, False, True, True,
     ]
 
 
 def test_threshold_docstring_example() -> None:
-    assert float(selection_threshold(torch.tensor([0.0, -1.0, -2.0, -3.0]), 0.5)) == -2.0
+    assert float(selection_threshold(torch.tensor([0.0, -1.0, -2.0, -3.0]), 0.5)) == -1.0
+    assert float(selection_threshold(torch.tensor([0.0, -1.0, -2.0, -3.0]), 0.5, rule="authors")) == -2.0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10, 64, 101])
+@pytest.mark.parametrize("ratio", [0.01, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0])
+def test_count_rule_selects_round_ratio_times_n_lowest(n: int, ratio: float) -> None:
+    g = torch.Generator().manual_seed(1000 * n + int(ratio * 100))
+    scores = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = select_below_threshold(scores, selection_threshold(scores, ratio))
+    k = max(1, min(n, int(math.floor(ratio * n + 0.5))))  # computed here, not by selected_count
+    assert int(mask.sum()) == k
+    lowest = set(torch.argsort(scores)[:k].tolist())
+    assert set(mask.nonzero().flatten().tolist()) == lowest
+
+
+def test_authors_rule_selects_one_fewer_than_ceil() -> None:
+    scores = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for ratio in (0.25, 0.5, 0.9):
+        mask = select_below_threshold(scores, selection_threshold(scores, ratio, rule="authors"))
+        assert int(mask.sum()) == math.ceil(ratio * 64) - 1
+
+
+def test_random_initial_share_is_seeded_exact_and_rank_independent() -> None:
+    from lpa3_lightning.selection import random_selection
+
+    everyone = torch.arange(100)
+    a = random_selection(everyone, 100, 0.3, seed=1, epoch=0)
+    assert int(a.sum()) == 30
+    # any split of the indices (e.g. two ranks' batches) agrees with the whole
+    halves = torch.cat([random_selection(everyone[:50], 100, 0.3, 1, 0), random_selection(everyone[50:], 100, 0.3, 1, 0)])
+    assert torch.equal(a, halves)
+    assert not torch.equal(a, random_selection(everyone, 100, 0.3, seed=1, epoch=1))  # a new draw per epoch
 
 
 @pytest.mark.parametrize("ratio", [1, 1.0])

@@ -179,8 +179,8 @@ def test_divergence_errors() -> None:
 # --------------------------------------------------------------------------- selection
 
 
-def test_select_before_threshold_is_all_true() -> None:
-    tcs = TimeConsistency(num_samples=6, num_classes=3, ratio=0.3)
+def test_select_before_threshold_is_all_true_with_the_authors_initial_selection() -> None:
+    tcs = TimeConsistency(num_samples=6, num_classes=3, ratio=0.3, initial_selection="all")
     assert tcs.select(torch.arange(6)).tolist() == [True] * 6
     tcs.update(torch.arange(6), _probs(6, 3, seed=0))
     assert tcs.select(torch.tensor([5, 0, 3])).tolist() == [True] * 3  # updated but not refreshed
@@ -188,17 +188,32 @@ def test_select_before_threshold_is_all_true() -> None:
     assert not tcs.select(torch.arange(6)).all()
 
 
-def test_refresh_without_seen_samples_keeps_all_selected() -> None:
-    tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
+def test_refresh_without_seen_samples_keeps_the_initial_selection() -> None:
+    tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5, initial_selection="all")
     tcs.refresh_threshold()
     assert not tcs.has_threshold
     assert tcs.select(torch.arange(4)).all()
+    random = TimeConsistency(num_samples=40, num_classes=2, ratio=0.25)
+    random.refresh_threshold()
+    assert int(random.select(torch.arange(40)).sum()) == 10  # a random quarter, not everything
+
+
+def test_random_initial_selection_until_the_first_threshold() -> None:
+    tcs = TimeConsistency(num_samples=40, num_classes=3, ratio=0.25, seed=3)
+    first = tcs.select(torch.arange(40), epoch=0)
+    assert int(first.sum()) == 10
+    assert torch.equal(first[torch.tensor([7, 2, 30])], tcs.select(torch.tensor([7, 2, 30]), epoch=0))
+    tcs.update(torch.arange(40), _probs(40, 3, seed=0))
+    tcs.refresh_threshold()
+    after = tcs.select(torch.arange(40), epoch=1)
+    assert int(after.sum()) == 10
+    assert torch.equal(after, tcs.scores < tcs.threshold)  # from now on by TCS
 
 
 @pytest.mark.parametrize("ratio", [0.2, 0.5, 0.9])
 def test_selection_after_refresh_matches_reference(ratio: float) -> None:
     n, c = 20, 4
-    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=ratio)
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=ratio, threshold_rule="authors")
     ref = _RefTCS(n, c, 1 / c)
     for epoch in range(3):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
@@ -222,7 +237,7 @@ def test_selection_after_refresh_matches_reference(ratio: float) -> None:
 
 def test_threshold_only_over_seen_samples() -> None:
     n, c = 10, 3
-    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=0.5)
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=0.5, threshold_rule="authors")
     ref = _RefTCS(n, c, 1 / c)
     idx = torch.tensor([1, 4, 6, 8])
     p = _probs(4, c, seed=5)

@@ -1,9 +1,26 @@
-"""Data loading for LP-A3: index-returning datasets and the MedMNIST data module."""
+"""Data loading for LP-A3: index-returning datasets, the MedMNIST and semi-supervised data modules."""
 
 from lpa3_lightning.data.indexed import IndexedDataset
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
 from lpa3_lightning.data.resumable import EpochPermutationSampler, ResumableDataLoader
+from lpa3_lightning.data.semi_supervised import (
+    SEMI_SUPERVISED_SOURCES,
+    Cutout,
+    LabeledDataset,
+    SemiSupervisedDataModule,
+    UnlabeledDataset,
+    eval_transform,
+    load_label_split,
+    load_mnist5k,
+    save_label_split,
+    stratified_label_split,
+    strong_transform,
+    weak_transform,
+)
 
 __all__ = [
-    "EMBEDDED_DATA_DIR", "EpochPermutationSampler", "IndexedDataset", "MedMNISTDataModule", "ResumableDataLoader",
+    "Cutout", "EMBEDDED_DATA_DIR", "EpochPermutationSampler", "IndexedDataset", "LabeledDataset", "MedMNISTDataModule",
+    "ResumableDataLoader", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "UnlabeledDataset", "eval_transform",
+    "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",
+    "weak_transform",
 ]

@@ -1,6 +1,9 @@
 """LightningModule mixins that consume LP-A3's augmented batch."""
 
-from lpa3_lightning.mixins.base import LPA3ModuleMixin
-from lpa3_lightning.mixins.supervised import SupervisedLPA3Mixin, split_indexed_batch
+from lpa3_lightning.mixins.base import LPA3ModuleMixin, split_indexed_batch
+from lpa3_lightning.mixins.fixmatch import FixMatchLPA3Mixin, split_semi_supervised_batch
+from lpa3_lightning.mixins.supervised import SupervisedLPA3Mixin
 
-__all__ = ["LPA3ModuleMixin", "SupervisedLPA3Mixin", "split_indexed_batch"]
+__all__ = [
+    "FixMatchLPA3Mixin", "LPA3ModuleMixin", "SupervisedLPA3Mixin", "split_indexed_batch", "split_semi_supervised_batch",
+]

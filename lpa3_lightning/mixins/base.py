@@ -1,22 +1,48 @@
 """The small protocol between :class:`~lpa3_lightning.LPA3Callback` and a LightningModule.
 
-A module adopts LP-A3 by inheriting :class:`LPA3ModuleMixin` and implementing
-:meth:`~LPA3ModuleMixin.lpa3_request`; in ``training_step`` it calls
-:meth:`~LPA3ModuleMixin.lpa3_record_predictions` with its clean logits (they feed the
-time-consistency memory, so no extra forward is spent on it) and
-:meth:`~LPA3ModuleMixin.lpa3_take_augmented` to get the hard positives for its loss.
+A module adopts LP-A3 by inheriting :class:`LPA3ModuleMixin` (its default
+:meth:`~LPA3ModuleMixin.lpa3_request` reads ``(x, y, index)`` batches); in ``training_step``
+it calls :meth:`~LPA3ModuleMixin.lpa3_record_predictions` with its clean logits (they feed
+the time-consistency memory, so no extra forward is spent on it),
+:meth:`~LPA3ModuleMixin.lpa3_take_augmented` to get the hard positives, and
+:meth:`~LPA3ModuleMixin.lpa3_forward_augmented` for their logits: the forward under which
+the solver verified that every ``x'`` keeps its label (the callback measures it there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.augmented_forward import TrainForward, augmented_logits
 from lpa3_lightning.features import output_to_logits
 
-__all__ = ["LPA3ModuleMixin", "REQUIRED_METHODS"]
+__all__ = ["LPA3ModuleMixin", "REQUIRED_METHODS", "split_indexed_batch"]
+
+
+def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``(inputs, targets, indices)`` of a batch from an index-returning dataset.
+
+    Accepts a ``(x, y, index)`` tuple/list or a mapping with keys ``input``/``target``/``index``.
+
+    Raises:
+        ValueError: if the batch carries no dataset indices, naming the fix.
+    """
+    if isinstance(batch, dict):
+        if {"input", "target", "index"} <= set(batch):
+            return batch["input"], batch["target"], batch["index"]
+    elif isinstance(batch, Sequence) and len(batch) == 3:
+        return batch[0], batch[1], batch[2]
+    described = sorted(batch) if isinstance(batch, dict) else f"{type(batch).__name__} of length {len(batch)}" \
+        if isinstance(batch, Sequence) else type(batch).__name__
+    raise ValueError(
+        f"LP-A3 needs the dataset index of every sample, but the batch is {described}. Fix: wrap the training "
+        "dataset in `lpa3_lightning.data.IndexedDataset` so batches are (x, y, index), or return a dict with "
+        "keys 'input', 'target', 'index'."
+    )
 
 #: Methods the callback calls; checked in ``LPA3Callback.setup``.
 REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_logits", "lpa3_set_augmented", "lpa3_pop_predictions")
@@ -28,17 +54,29 @@ class LPA3ModuleMixin:
     Attributes:
         lpa3_num_classes: number of classes of the model's logits (sizes the TCS memory);
             set it in ``__init__``.
+        lpa3_train_forward: how :meth:`lpa3_forward_augmented` normalises ``x'``:
+            ``"verified"`` (default, the solver's normalisation, see
+            :mod:`lpa3_lightning.augmented_forward`) or ``"batch_stats"`` (the authors').
     """
 
     lpa3_num_classes: int | None = None
+    lpa3_train_forward: TrainForward = "verified"
     _lpa3_augmented: AugmentedBatch | None = None
     _lpa3_predictions: tuple[Tensor, Tensor, Tensor | None] | None = None
+    _lpa3_augmented_logits: Tensor | None = None
+
+    def lpa3_split_batch(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """``(inputs, targets, indices)`` of a training batch; the default reads ``(x, y, index)``
+        tuples or ``{"input", "target", "index"}`` dicts and names the fix for a batch without
+        indices (:func:`split_indexed_batch`). Override for another batch layout."""
+        return split_indexed_batch(batch)
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
-        """Return the inputs, labels to preserve and dataset indices of ``batch``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement `lpa3_request(batch) -> LPA3Request` for LPA3Callback."
-        )
+        """The inputs, labels to preserve and dataset indices of ``batch`` (default: from
+        :meth:`lpa3_split_batch`, the true labels). Override to preserve other labels
+        (pseudo-labels) or to offer another view of the batch."""
+        x, y, idx = self.lpa3_split_batch(batch)
+        return LPA3Request(inputs=x, targets=y, indices=idx)
 
     def lpa3_model(self) -> nn.Module:
         """The network to attack and whose layers give the perceptual features.
@@ -60,10 +98,34 @@ class LPA3ModuleMixin:
         """Called by the callback before ``training_step`` with this batch's hard positives."""
         self._lpa3_augmented = augmented
 
+    def lpa3_augmented_pending(self) -> bool:
+        """Whether this batch's hard positives were handed over and not taken (yet)."""
+        return self._lpa3_augmented is not None
+
     def lpa3_take_augmented(self) -> AugmentedBatch | None:
         """The hard positives of the current batch (None during warm-up or without callback)."""
         augmented, self._lpa3_augmented = self._lpa3_augmented, None
         return augmented
+
+    def lpa3_forward_augmented(self, augmented: AugmentedBatch) -> Tensor:
+        """Logits of the hard positives for the loss, in the forward the solver verified.
+
+        Uses :func:`~lpa3_lightning.augmented_forward.augmented_logits` with the batch's BN
+        mode and frozen twin statistics and :attr:`lpa3_train_forward`; the logits are
+        handed to the callback, which measures ``lpa3/label_preserved`` in this very forward.
+        """
+        logits = augmented_logits(
+            self.lpa3_model(), augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
+            bn_statistics=augmented.bn_statistics, logits_fn=self.lpa3_logits,
+            train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
+        )
+        self._lpa3_augmented_logits = logits.detach()
+        return logits
+
+    def lpa3_pop_augmented_logits(self) -> Tensor | None:
+        """Called by the callback after ``training_step``: the logits of ``x'`` as trained, if any."""
+        logits, self._lpa3_augmented_logits = self._lpa3_augmented_logits, None
+        return logits
 
     def lpa3_record_predictions(self, indices: Tensor, logits: Tensor, targets: Tensor | None = None) -> None:
         """Hand the clean logits of this batch to the callback's time-consistency memory."""

@@ -7,14 +7,14 @@ first blocks of stages 2 and 3 and its weight initialisation differ in details. 
 are named ``block1``, ``block2``, ``block3``: the default LP-A3 feature layers
 (:func:`lpa3_lightning.features.default_feature_layers`), as the authors use the outputs of
 the three WRN blocks. BatchNorm momentum 0.001 as in the
-FixMatch / LP-A3 WRN (METHOD.md).
+FixMatch / LP-A3 WRN (docs/method.md).
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["WideResNet", "wrn28_2"]
+__all__ = ["WideResNet", "wrn28_2", "wrn28_8"]
 
 BN_MOMENTUM = 0.001
 
@@ -82,3 +82,8 @@ class WideResNet(nn.Module):
 def wrn28_2(num_classes: int = 10, in_channels: int = 3) -> WideResNet:
     """WRN-28-2 (1.5 M parameters), FixMatch's CIFAR-10 backbone."""
     return WideResNet(num_classes, 28, 2, in_channels)
+
+
+def wrn28_8(num_classes: int = 100, in_channels: int = 3) -> WideResNet:
+    """WRN-28-8 (23.4 M parameters), FixMatch's and LP-A3's CIFAR-100 backbone."""
+    return WideResNet(num_classes, 28, 8, in_channels)

@@ -1,8 +1,12 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
-    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1}
+    python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1,user_module,
+                                         bad_index_rank1,crash_rank1}
 
-'supervised' also caches x' (regenerate_every_n_epochs=2).
+'supervised' also caches x' (regenerate_every_n_epochs=2). 'user_module' trains a module
+written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
+and 'crash_rank1' make one rank's ``lpa3_request`` return an out-of-range index or raise a
+RuntimeError: every rank must stop with the reason instead of hanging.
 
 Lightning's "ddp" strategy starts the second process by running this script again. Each
 rank writes ``OUT_DIR/rank{R}.pt`` with its TCS state and every step's (indices, mask); rank 0
@@ -22,8 +26,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lpa3_lightning import LPA3Callback  # noqa: E402
-from tests.helpers import indexed_images  # noqa: E402
+from lpa3_lightning import LPA3Callback, convert_dual_bn  # noqa: E402
+from lpa3_lightning.mixins import LPA3ModuleMixin  # noqa: E402
+from tests.helpers import indexed_images, small_cnn  # noqa: E402
 from tests.test_callback import TinyClassifier  # noqa: E402
 
 N, PER_RANK_BATCH, EPOCHS = 48, 8, 3
@@ -52,6 +57,43 @@ class IgnoresAugmentation(TinyClassifier):
         return F.cross_entropy(logits, y)
 
 
+class UserModule(LPA3ModuleMixin, pl.LightningModule):
+    """The README's custom-module recipe, nothing more (no anchor of its own for the twins)."""
+
+    def __init__(self, fault: str | None = None) -> None:
+        super().__init__()
+        self.net = convert_dual_bn(small_cnn(num_classes=3))
+        self.lpa3_num_classes = 3
+        self.fault = fault
+        self.seen_augmented: list[int] = []
+
+    def lpa3_model(self) -> nn.Module:
+        return self.net
+
+    def lpa3_request(self, batch):
+        request = super().lpa3_request(batch)
+        if self.fault is not None and self.trainer.global_rank == 1 and self.trainer.global_step == 2:
+            if self.fault == "bad_index_rank1":
+                request.indices = request.indices + 1000  # out of range on this rank only
+            else:
+                raise RuntimeError("lpa3_request failed on one rank (simulated)")
+        return request
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = self.lpa3_split_batch(batch)
+        logits = self.net(x)
+        self.lpa3_record_predictions(index, logits)
+        loss = F.cross_entropy(logits, y)
+        augmented = self.lpa3_take_augmented()
+        self.seen_augmented.append(0 if augmented is None else len(augmented))
+        if augmented is not None and len(augmented):
+            loss = loss + F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
 class Recording(LPA3Callback):
     def __init__(self, *args, empty_rank: int | None = None, bad_rank: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -60,10 +102,10 @@ class Recording(LPA3Callback):
         self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.applied_per_epoch: dict[int, int] = {}
 
-    def _check_request(self, request, num_classes):
+    def _check_request(self, request, num_classes, num_samples):
         if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
             raise ValueError("Labels out of range (simulated on one rank)")
-        super()._check_request(request, num_classes)
+        super()._check_request(request, num_classes, num_samples)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         original = self.tcs.update
@@ -79,8 +121,8 @@ class Recording(LPA3Callback):
         finally:
             del self.tcs.update
 
-    def _select(self, request):
-        mask = super()._select(request)
+    def _select(self, request, epoch):
+        mask = super()._select(request, epoch)
         if self.empty_rank is not None and self._rank == self.empty_rank:
             mask = torch.zeros_like(mask)
         self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
@@ -93,9 +135,13 @@ class Recording(LPA3Callback):
 
 def main(out: Path, mode: str) -> None:
     pl.seed_everything(0)
-    module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
+    user = mode in ("user_module", "bad_index_rank1", "crash_rank1")
+    if user:
+        module = UserModule(fault=None if mode == "user_module" else mode)
+    else:
+        module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
     callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None,
-                         bad_rank=1 if mode == "bad_rank1" else None,
+                         bad_rank=1 if mode == "bad_rank1" else None, warmup_epochs=1 if user else 0,
                          regenerate_every_n_epochs=2 if mode in ("supervised", "empty_rank1") else 1)
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -105,8 +151,10 @@ def main(out: Path, mode: str) -> None:
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "final.ckpt")
     torch.save({"tcs": callback.tcs.state_dict(), "steps": callback.record, "applied": callback.applied_per_epoch,
-                "cache": None if callback.cache is None else callback.cache.state_dict(),
-                "params": {k: v.detach().clone() for k, v in module.state_dict().items()}},
+                "cache": None if callback.cache is None else callback.cache.state_dict(include_inputs=True),
+                "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                "seen_augmented": getattr(module, "seen_augmented", None),
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                out / f"rank{trainer.global_rank}.pt")
 
 

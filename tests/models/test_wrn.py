@@ -20,3 +20,13 @@ def test_wrn28_2_shape_parameters_and_default_feature_stages():
 def test_bad_depth_is_refused():
     with pytest.raises(ValueError, match="6n \\+ 4"):
         WideResNet(depth=27)
+
+
+def test_wrn28_8_shape_and_size():
+    from lpa3_lightning.models import wrn28_8
+
+    net = wrn28_8(num_classes=100).eval()
+    assert 23.0e6 < sum(p.numel() for p in net.parameters()) < 23.8e6  # "23.4M" (FixMatch's CIFAR-100 WRN)
+    with torch.no_grad():
+        assert tuple(net(torch.zeros(1, 3, 16, 16)).shape) == (1, 100)  # any size works; 16 px keeps it cheap
+    assert default_feature_layers(net) == ["block1", "block2", "block3"]

@@ -40,7 +40,7 @@ def main(out: Path, mode: str) -> None:
     module = TinyClassifier()
     # seed=None: the solver's noise comes from torch's global generator, whose state the
     # callback checkpoints; the x' cache (K=2) is checkpointed too.
-    callbacks: list[Callback] = [LPA3Callback(ratio=0.5, steps=2, regenerate_every_n_epochs=2),
+    callbacks: list[Callback] = [LPA3Callback(ratio=0.5, steps=2, regenerate_every_n_epochs=2, checkpoint_cache=True),
                                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1,
                                                  save_last=True)]
     if mode == "killed":
@@ -51,7 +51,7 @@ def main(out: Path, mode: str) -> None:
     ckpt = out / "ckpt" / "last.ckpt" if mode == "resume" else None
     trainer.fit(module, loader, ckpt_path=ckpt)
     lpa3 = callbacks[0]
-    torch.save({"tcs": lpa3.tcs.state_dict(), "cache": lpa3.cache.state_dict(),
+    torch.save({"tcs": lpa3.tcs.state_dict(), "cache": lpa3.cache.state_dict(include_inputs=True),
                 "weights": {k: v.clone() for k, v in module.state_dict().items()},
                 "seen_augmented": module.seen_augmented}, out / "final.pt")
 

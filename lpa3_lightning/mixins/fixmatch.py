@@ -1,0 +1,156 @@
+"""FixMatch with LP-A3 (semi-supervised; Sohn et al., NeurIPS 2020; Yang et al., NeurIPS 2022).
+
+Each training batch holds a labeled batch ``(x, y, index)`` and an unlabeled batch
+``(x_weak, x_strong, index)`` (``{"labeled": ..., "unlabeled": ...}``, as
+:class:`~lpa3_lightning.data.SemiSupervisedDataModule` yields it). FixMatch's loss is::
+
+    CE(F(x), y) + lambda_u * mean_u 1[max p(weak) >= 0.95] * CE(F(strong), argmax p(weak))
+
+LP-A3 attacks the weak view of the unlabeled samples with the model's pseudo-label as the label
+to preserve; the time-consistency memory runs over the unlabeled set, from the weak-view
+predictions. The mixin adds ``weight * mean over the x' of 1[confidence >= 0.9] * CE(F(x'),
+pseudo-label)`` (the authors' second threshold) once ``lpa3_loss_warmup_epochs`` have passed.
+
+One weak forward per step: :meth:`FixMatchLPA3Mixin.lpa3_request` (called by the callback in
+``on_train_batch_start``) forwards the weak view once, without gradient and in train mode (as
+FixMatch's own weak branch, whose logits it detaches), and keeps the logits for this batch;
+``training_step`` reuses them for the pseudo-labels, their confidences and the TCS record.
+Without the callback the step makes that forward itself. Because the pseudo-labels are fixed
+before the attack, the label the solver preserves is exactly the one the loss trains ``x'``
+with, in the forward the solver verified (:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lpa3_lightning.augmented import LPA3Request
+from lpa3_lightning.mixins.base import LPA3ModuleMixin
+
+__all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
+
+
+def split_semi_supervised_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(x, y, idx_labeled, x_weak, x_strong, idx_unlabeled)`` of a semi-supervised batch.
+
+    Accepts ``{"labeled": (x, y, index), "unlabeled": (x_weak, x_strong, index)}`` (Lightning's
+    ``CombinedLoader`` yields it from a dict of loaders).
+
+    Raises:
+        ValueError: for any other layout, naming the expected one and the fix.
+    """
+    if isinstance(batch, Sequence) and len(batch) == 3 and isinstance(batch[0], Mapping):
+        batch = batch[0]  # (batch, batch_idx, dataloader_idx) from a CombinedLoader iterated by hand
+    if isinstance(batch, Mapping) and {"labeled", "unlabeled"} <= set(batch):
+        labeled, unlabeled = batch["labeled"], batch["unlabeled"]
+        if isinstance(labeled, Sequence) and len(labeled) == 3 and isinstance(unlabeled, Sequence) \
+                and len(unlabeled) == 3:
+            return (*labeled, *unlabeled)  # type: ignore[return-value]
+    raise ValueError(
+        "FixMatch needs batches {'labeled': (x, y, index), 'unlabeled': (x_weak, x_strong, index)}, got "
+        f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}. Fix: use "
+        "`lpa3_lightning.data.SemiSupervisedDataModule`, or a CombinedLoader({'labeled': ..., 'unlabeled': ...}) "
+        "whose unlabeled dataset returns (weak view, strong view, dataset index)."
+    )
+
+
+class FixMatchLPA3Mixin(LPA3ModuleMixin):
+    """FixMatch's loss with LP-A3 hard positives from the weak unlabeled view.
+
+    Set :attr:`lpa3_num_classes` and (for the TCS memory over the unlabeled set)
+    :attr:`lpa3_num_samples`, return the network from ``lpa3_model()`` and call
+    :meth:`fixmatch_loss` in ``training_step``.
+
+    Attributes:
+        fixmatch_threshold: confidence above which a pseudo-label trains the strong view (0.95).
+        fixmatch_lambda_u: weight of the unlabeled loss (1).
+        fixmatch_temperature: softmax temperature of the pseudo-labels (1).
+        lpa3_confidence_threshold: the authors' second threshold: an ``x'`` trains only where its
+            pseudo-label's confidence is at least this (0.9).
+        lpa3_weight: weight of the LP-A3 term (1).
+        lpa3_loss_warmup_epochs: epochs before the LP-A3 term counts (the authors: 5). The callback's
+            own ``warmup_epochs`` decides when the attack runs; the authors attack during this
+            warm-up too (set the callback's ``warmup_epochs`` to the same value to save that cost).
+        lpa3_num_samples: size of the unlabeled set (the TCS memory's), e.g. the datamodule's
+            ``num_unlabeled``; the callback reads it when its ``num_samples`` is None.
+    """
+
+    fixmatch_threshold: float = 0.95
+    fixmatch_lambda_u: float = 1.0
+    fixmatch_temperature: float = 1.0
+    lpa3_confidence_threshold: float = 0.9
+    lpa3_weight: float = 1.0
+    lpa3_loss_warmup_epochs: int = 5
+    lpa3_num_samples: int | None = None
+    _fixmatch_weak: tuple[Tensor, Tensor] | None = None  # (weak inputs, their detached logits)
+
+    def lpa3_split_batch(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """The unlabeled weak view with its pseudo-labels and dataset indices (what LP-A3 attacks)."""
+        _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
+        return x_weak, self._pseudo_labels(self.fixmatch_weak_logits(batch))[1], idx
+
+    def lpa3_request(self, batch: Any) -> LPA3Request:
+        x_weak, pseudo, idx = self.lpa3_split_batch(batch)
+        return LPA3Request(inputs=x_weak, targets=pseudo, indices=idx)
+
+    def fixmatch_weak_logits(self, batch: Any) -> Tensor:
+        """Detached logits of the weak unlabeled view: forwarded once per batch, then reused.
+
+        The forward runs in the module's mode (train) without gradient, like FixMatch's weak
+        branch (its BatchNorm statistics move as they would there).
+        """
+        _, _, _, x_weak, _, _ = split_semi_supervised_batch(batch)
+        cached = self._fixmatch_weak
+        if cached is not None and cached[0] is x_weak:
+            return cached[1]
+        with torch.no_grad():
+            logits = self.lpa3_logits(self.lpa3_model()(x_weak)).detach()
+        self._fixmatch_weak = (x_weak, logits)
+        return logits
+
+    def _pseudo_labels(self, weak_logits: Tensor) -> tuple[Tensor, Tensor]:
+        probs = torch.softmax(weak_logits.float() / self.fixmatch_temperature, dim=1)
+        confidence, pseudo = probs.max(dim=1)
+        return confidence, pseudo
+
+    def fixmatch_loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """FixMatch's loss plus the LP-A3 term for one training batch.
+
+        Returns:
+            ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``,
+            ``loss_lpa3``, ``mask_rate`` (share of pseudo-labels above the threshold),
+            ``num_augmented`` and ``lpa3_kept_rate`` (share of ``x'`` above the second threshold).
+        """
+        x, y, _, x_weak, x_strong, idx_u = split_semi_supervised_batch(batch)
+        model = self.lpa3_model()
+        weak_logits = self.fixmatch_weak_logits(batch)
+        self._fixmatch_weak = None  # this batch's logits are used up
+        self.lpa3_record_predictions(idx_u, weak_logits)  # TCS runs over the unlabeled set
+        confidence, pseudo = self._pseudo_labels(weak_logits)
+        # one forward of the labeled and strong views together, as FixMatch does (shared BN statistics)
+        logits = self.lpa3_logits(model(torch.cat([x, x_strong])))
+        logits_l, logits_s = logits[: x.shape[0]], logits[x.shape[0]:]
+        loss_l = F.cross_entropy(logits_l, y)
+        mask = (confidence >= self.fixmatch_threshold).float()
+        loss_u = (F.cross_entropy(logits_s, pseudo, reduction="none") * mask).mean()
+        loss_a, num_aug, kept_rate = logits.new_zeros(()), 0, logits.new_zeros(())
+        trainer = getattr(self, "_trainer", None)
+        epoch = trainer.current_epoch if trainer is not None else 0
+        if epoch >= self.lpa3_loss_warmup_epochs:
+            augmented = self.lpa3_take_augmented()
+            if augmented is not None and len(augmented):
+                kept = (confidence[augmented.mask] >= self.lpa3_confidence_threshold).float()
+                per_sample = F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets,
+                                             reduction="none")
+                loss_a = (per_sample * kept).mean()  # mean over the x', as the authors' term
+                num_aug, kept_rate = len(augmented), kept.mean()
+        loss = loss_l + self.fixmatch_lambda_u * loss_u + self.lpa3_weight * loss_a
+        parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
+                 "mask_rate": mask.mean(), "num_augmented": torch.tensor(float(num_aug)),
+                 "lpa3_kept_rate": kept_rate.detach()}
+        return loss, parts

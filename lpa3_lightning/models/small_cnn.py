@@ -1,0 +1,57 @@
+"""A small CNN with BatchNorm for 28x28 and 32x32 images, for CPU-scale runs (MNIST-5k, MedMNIST).
+
+Three stages, each conv3x3-BN-ReLU, the first two followed by 2x2 max pooling (28 -> 14 -> 7,
+32 -> 16 -> 8), with widths ``w, 2w, 4w``; then global average pooling and a linear head. No
+dropout. The stages are named ``block1``, ``block2``, ``block3``, so LP-A3's default feature
+layers (:func:`lpa3_lightning.features.default_feature_layers`) are their outputs, as for the
+Wide-ResNets. Every BatchNorm is an ``nn.BatchNorm2d``, so
+:func:`lpa3_lightning.dual_bn.convert_dual_bn` gives each a twin.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+__all__ = ["SmallCNN", "small_cnn"]
+
+
+def _conv_bn_relu(in_ch: int, out_ch: int) -> list[nn.Module]:
+    return [nn.Conv2d(in_ch, out_ch, 3, padding=1, bias=False), nn.BatchNorm2d(out_ch), nn.ReLU()]
+
+
+class SmallCNN(nn.Module):
+    """conv-BN-ReLU x 3 (pooling after the first two), global average pool, linear head.
+
+    Args:
+        in_channels: input channels (1 for digits / grayscale MedMNIST, 3 for RGB).
+        num_classes: output classes.
+        width: channels of the first stage (the others have 2x and 4x).
+
+    Raises:
+        ValueError: if an argument is not a positive integer.
+
+    Example:
+        >>> import torch
+        >>> tuple(small_cnn(in_channels=1, num_classes=10)(torch.zeros(2, 1, 28, 28)).shape)
+        (2, 10)
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32) -> None:
+        super().__init__()
+        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}. "
+                                 f"Fix: pass e.g. in_channels=1, num_classes=10, width=32.")
+        self.block1 = nn.Sequential(*_conv_bn_relu(in_channels, width), nn.MaxPool2d(2))
+        self.block2 = nn.Sequential(*_conv_bn_relu(width, 2 * width), nn.MaxPool2d(2))
+        self.block3 = nn.Sequential(*_conv_bn_relu(2 * width, 4 * width))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.pool(self.block3(self.block2(self.block1(x)))).flatten(1))
+
+
+def small_cnn(in_channels: int = 1, num_classes: int = 10, width: int = 32) -> SmallCNN:
+    """A :class:`SmallCNN` (about 94 k parameters at ``width=32``)."""
+    return SmallCNN(in_channels, num_classes, width)

@@ -1,0 +1,209 @@
+"""FixMatch + LP-A3: the loss terms, one weak forward per step, and a fit with the callback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lpa3_lightning import LPA3Callback
+from lpa3_lightning.augmented import AugmentedBatch
+from lpa3_lightning.dual_bn import convert_dual_bn
+from lpa3_lightning.mixins import FixMatchLPA3Mixin
+from lpa3_lightning.mixins.fixmatch import split_semi_supervised_batch
+from tests.helpers import indexed_images
+
+NUM_CLASSES = 3
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, NUM_CLASSES))
+
+
+class UserFixMatch(FixMatchLPA3Mixin, pl.LightningModule):
+    """A FixMatch module written by a user: the mixin's loss, their own network and optimizer."""
+
+    def __init__(self, num_unlabeled: int, loss_warmup: int = 0) -> None:
+        super().__init__()
+        self.net = convert_dual_bn(_net())
+        self.lpa3_num_classes = NUM_CLASSES
+        self.lpa3_num_samples = num_unlabeled
+        self.lpa3_loss_warmup_epochs = loss_warmup
+        self.parts: list[dict[str, float]] = []
+
+    def lpa3_model(self) -> nn.Module:
+        return self.net
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, parts = self.fixmatch_loss(batch)
+        self.parts.append({k: float(v) for k, v in parts.items()})
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.03, momentum=0.9, nesterov=True)
+
+
+class TwoViews(Dataset):
+    """Unlabeled views of the synthetic images: a small shift (weak) and noise on top (strong)."""
+
+    def __init__(self, n: int) -> None:
+        self.data = indexed_images(n)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, _, idx = self.data[i]
+        weak = torch.roll(x, shifts=int(i % 3) - 1, dims=2)
+        return weak, weak + 0.3 * torch.randn_like(weak), idx
+
+
+def _loaders(n_unlabeled: int = 64, n_labeled: int = 12, batch: int = 4, mu: int = 4) -> CombinedLoader:
+    labeled = DataLoader(indexed_images(n_labeled, seed=5), batch_size=batch, shuffle=True, drop_last=True)
+    unlabeled = DataLoader(TwoViews(n_unlabeled), batch_size=batch * mu, shuffle=True, drop_last=True)
+    return CombinedLoader({"labeled": labeled, "unlabeled": unlabeled}, mode="max_size_cycle")
+
+
+def _trainer(tmp_path, callbacks, max_epochs: int = 2, **kwargs) -> pl.Trainer:
+    return pl.Trainer(default_root_dir=tmp_path, max_epochs=max_epochs, accelerator="cpu", devices=1,
+                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+# ------------------------------------------------------------------ the loss terms on a tiny batch
+def _tiny_batch() -> dict:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 1, 28, 28, generator=g), torch.tensor([0, 2])
+    weak, strong = torch.randn(4, 1, 28, 28, generator=g), torch.randn(4, 1, 28, 28, generator=g)
+    return {"labeled": (x, y, torch.tensor([0, 1])), "unlabeled": (weak, strong, torch.tensor([5, 6, 7, 8]))}
+
+
+@pytest.mark.parametrize("epoch, warmup", [(3, 0), (0, 1)], ids=["after_warmup", "in_warmup"])
+def test_loss_terms_on_a_tiny_batch(epoch, warmup):
+    module = UserFixMatch(num_unlabeled=10, loss_warmup=warmup)
+    module.eval()  # no BN statistics, no randomness: the reference below recomputes the same forwards
+    batch = _tiny_batch()
+    x, y, _, weak, strong, _ = split_semi_supervised_batch(batch)
+    # pseudo-label confidences 0.97 (kept), 0.92 (below 0.95, above 0.9), 0.5, 0.96 (kept)
+    probs = torch.tensor([[0.97, 0.02, 0.01], [0.04, 0.92, 0.04], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
+    module._fixmatch_weak = (weak, probs.log())
+    x_adv = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([True, True, False, True])
+    augmented = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1, 2]), indices=torch.tensor([5, 6, 8]),
+                               mask=mask, bn_mode="eval", bn_statistics=None)
+    from lpa3_lightning.augmented_forward import running_statistics
+
+    augmented.bn_statistics = running_statistics(module.net)
+    module.lpa3_set_augmented(augmented)
+
+    class FakeTrainer:
+        current_epoch = epoch
+
+    module._trainer = FakeTrainer()  # type: ignore[assignment]
+    loss, parts = module.fixmatch_loss(batch)
+    # independent reference
+    with torch.no_grad():
+        ce_l = F.cross_entropy(module.net(x), y)
+        pseudo = torch.tensor([0, 1, 2, 2])
+        keep_u = torch.tensor([1.0, 0.0, 0.0, 1.0])  # 0.95 masking
+        ce_u = (F.cross_entropy(module.net(strong), pseudo, reduction="none") * keep_u).mean()
+        expected = ce_l + ce_u
+        if epoch >= warmup:
+            keep_a = torch.tensor([1.0, 1.0, 1.0])  # confidences 0.97, 0.92, 0.96 >= 0.9
+            ce_a = F.cross_entropy(module.net(x_adv), augmented.targets, reduction="none")
+            expected = expected + (ce_a * keep_a).mean()
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
+    assert float(parts["mask_rate"]) == 0.5
+    assert float(parts["num_augmented"]) == (3.0 if epoch >= warmup else 0.0)
+    if epoch < warmup:
+        assert module.lpa3_augmented_pending()  # the x' of a warm-up step are left untaken
+
+
+def test_the_second_threshold_drops_low_confidence_x_prime():
+    module = UserFixMatch(num_unlabeled=10)
+    module.eval()
+    batch = _tiny_batch()
+    _, _, _, weak, _, _ = split_semi_supervised_batch(batch)
+    probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
+    from lpa3_lightning.augmented_forward import running_statistics
+
+    x_adv = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    augmented = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1]), indices=torch.tensor([5, 6]),
+                               mask=torch.tensor([True, True, False, False]), bn_mode="eval",
+                               bn_statistics=running_statistics(module.net))
+    module._fixmatch_weak = (weak, probs.log())
+    module.lpa3_set_augmented(augmented)
+    _, parts = module.fixmatch_loss(batch)
+    with torch.no_grad():
+        ce = F.cross_entropy(module.net(x_adv), augmented.targets, reduction="none")
+    torch.testing.assert_close(parts["loss_lpa3"], ce[0] / 2, atol=1e-6, rtol=1e-5)  # 0.89 < 0.9 dropped
+    assert float(parts["lpa3_kept_rate"]) == 0.5
+
+
+def test_a_batch_of_another_layout_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="SemiSupervisedDataModule"):
+        split_semi_supervised_batch((torch.zeros(2, 1), torch.zeros(2), torch.arange(2)))
+
+
+# ------------------------------------------------------------------ a fit with the callback
+def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_weak_view_once(tmp_path):
+    pl.seed_everything(0)
+    module = UserFixMatch(num_unlabeled=64)
+    weak_forwards: list[int] = []
+    steps: list[int] = []
+
+    class CountsWeakForwards(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            weak = batch["unlabeled"][0]
+            steps.append(0)
+
+            def hook(_module, inputs, _output):
+                if inputs[0] is weak or (inputs[0].shape == weak.shape and torch.equal(inputs[0], weak)):
+                    weak_forwards.append(1)
+
+            self.handle = pl_module.net.register_forward_hook(hook)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.handle.remove()
+
+    callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=2, seed=0, input_range=None)
+    # the counter runs first: its hook sees the callback's request forward too
+    trainer = _trainer(tmp_path, [CountsWeakForwards(), callback], max_epochs=2)
+    trainer.fit(module, _loaders())
+    assert len(steps) == 8
+    # the weak view went through the network once per step (the request's forward, reused by the loss);
+    # the solver's forwards take x + delta or frozen-statistics forwards of the selected subset
+    assert len(weak_forwards) == len(steps)
+    tcs = callback.tcs
+    assert tcs is not None and tcs.num_samples == 64 and bool(tcs.seen.all())  # TCS over the unlabeled set
+    assert sum(p["num_augmented"] for p in module.parts) > 0
+    assert "lpa3/label_preserved_epoch" in trainer.callback_metrics
+
+
+def test_without_the_callback_it_is_plain_fixmatch(tmp_path):
+    pl.seed_everything(0)
+    module = UserFixMatch(num_unlabeled=64)
+    _trainer(tmp_path, [], max_epochs=1).fit(module, _loaders())
+    assert all(p["num_augmented"] == 0 for p in module.parts)
+    assert all(torch.isfinite(torch.tensor(p["loss_unlabeled"])) for p in module.parts)
+
+
+def test_a_cached_x_prime_is_reused_only_for_its_pseudo_label(tmp_path):
+    """Pseudo-labels change between epochs: a cached x' solved for another label is solved again."""
+    pl.seed_everything(0)
+    module = UserFixMatch(num_unlabeled=64)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, input_range=None, regenerate_every_n_epochs=3)
+    _trainer(tmp_path, [callback], max_epochs=2).fit(module, _loaders())
+    cache = callback.cache
+    written = cache.written >= 0
+    assert bool(written.any())
+    # every stored entry remembers the pseudo-label it was solved for
+    assert bool((cache.labels[written] >= 0).all())
