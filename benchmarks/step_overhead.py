@@ -156,6 +156,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epoch 0 is warm-up; epochs 1.. are measured")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or gpu")
     parser.add_argument("--ratio", type=float, default=0.5, help="LP-A3 ratio (tau); the MedMNIST table uses 0.5")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                        help="which configurations to run (baseline always runs: every ratio is to it)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.epochs < 2:
@@ -170,7 +172,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {where}; ResNet-18 28x28, "
           f"batch 128, BreastMNIST train (546), epochs 1..{args.epochs - 1} measured, one process each")
     results = {}
-    for config in CONFIGS:
+    for config in ["baseline"] + [c for c in args.configs if c != "baseline"]:
         done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs),
                                "--accelerator", args.accelerator, "--ratio", str(args.ratio)], capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
@@ -187,7 +189,7 @@ def main() -> None:
         epoch = statistics.median(r["epochs_s"].values())
         print(f"{config:16} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {epoch:8.2f} "
               f"{epoch / base_epoch:6.2f}x {r['peak_mb']:8.0f} {r['peak_mb'] / base['peak_mb']:6.2f}x")
-    for config in ("lpa3_cached", "lpa3_cached_lazy"):
+    for config in [c for c in ("lpa3_cached", "lpa3_cached_lazy") if c in results]:
         cached = results[config]["epochs_s"]
         window = sorted(cached)[:10]  # one K=10 window: the regeneration epoch and the reuse epochs after it
         regen, reuse = cached[window[0]], [cached[e] for e in window[1:]]
@@ -198,6 +200,8 @@ def main() -> None:
               f"(min {min(reuse):.2f}, max {max(reuse):.2f}; x' from the cache {min(shares):.0%} to {max(shares):.0%})"
               f" -> amortized over K=10: {amortized:.2f} s = {amortized / base_epoch:.2f}x baseline epoch"
               + ("" if len(reuse) >= 9 else f" (extrapolated from {len(reuse)} reuse epochs: run --epochs 11)"))
+    if "lpa3" not in results:
+        return
     extra = results["lpa3"]["floor_s"]
     floor = base["step_s"] + extra
     print(f"floor per step (measured baseline step + 5 x (forward + input-gradient backward) on "

@@ -49,6 +49,8 @@ class AugmentedBatch:
         bn_statistics: the statistics the solver normalised with: the twins' frozen batch
             statistics of the clean selected samples, or a snapshot of the running statistics.
         allow_tf32: whether the solver ran with TF32 (the training forward matches it).
+        reference_inputs: the clean selected samples (``M`` rows) whose twin statistics the
+            solver froze; the training forward recomputes the statistics from them.
     """
 
     inputs: Tensor
@@ -60,6 +62,7 @@ class AugmentedBatch:
     bn_mode: str = "eval"
     bn_statistics: TwinStatistics | None = None
     allow_tf32: bool = False
+    reference_inputs: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])

@@ -26,7 +26,7 @@ from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predic
 from lpa3_lightning.dual_bn import DualSyncBatchNorm, anchor_twin_parameters, has_dual_bn
 from lpa3_lightning.features import resolve_layers, unwrap_compiled
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
-from lpa3_lightning.selection import check_ratio, check_threshold_rule
+from lpa3_lightning.selection import check_initial_selection, check_ratio, check_threshold_rule
 from lpa3_lightning.tcs import TimeConsistency
 from lpa3_lightning.visualize import comparison_grid
 
@@ -205,9 +205,7 @@ class LPA3Callback(Callback):
         if not isinstance(fast, bool):
             raise ValueError(f"`fast` must be True or False, got {fast!r}.")
         self.fast = fast
-        if initial_selection not in ("random", "all"):
-            raise ValueError(f"`initial_selection` must be 'random' or 'all', got {initial_selection!r}. "
-                             "Fix: use 'random' ('all' is the authors' choice).")
+        check_initial_selection(initial_selection)
         self.initial_selection = initial_selection
         check_threshold_rule(threshold_rule)
         self.threshold_rule = threshold_rule
@@ -544,7 +542,8 @@ class LPA3Callback(Callback):
         if self.log_eval_preservation and x.shape[0]:
             self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x, x_out, y)
         return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()),
-                              bn_mode=bn_mode, bn_statistics=bn_statistics, allow_tf32=self.allow_tf32)
+                              bn_mode=bn_mode, bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
+                              reference_inputs=x.detach() if bn_mode == "twin" and x.shape[0] else None)
 
     def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
                                 y: Tensor) -> Tensor:

@@ -15,7 +15,27 @@ from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins.supervised import SupervisedLPA3Mixin, split_indexed_batch
 from lpa3_lightning.models.resnet import medmnist_resnet
 
-__all__ = ["LPA3Classifier"]
+__all__ = ["LPA3Classifier", "check_datamodule_agrees"]
+
+
+def check_datamodule_agrees(module: pl.LightningModule, names: Sequence[str], class_name: str) -> Any:
+    """Refuse a data module whose ``names`` (e.g. ``num_classes``) differ from the module's hyper-parameters.
+
+    The CLI takes model and data arguments separately; a mismatch would otherwise surface deep
+    inside the first step (a channel error or a label out of bounds). Returns the data module.
+
+    Raises:
+        ValueError: naming the argument and the fix.
+    """
+    datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+    for name in names:
+        expected = getattr(datamodule, name, None)
+        if isinstance(expected, int) and expected != module.hparams[name]:
+            raise ValueError(
+                f"The data module has {name}={expected} but the model was built with {name}={module.hparams[name]}. "
+                f"Fix: pass `--model.init_args.{name} {expected}` (or {class_name}({name}={expected}))."
+            )
+    return datamodule
 
 
 class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
@@ -77,17 +97,7 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
         self.test_metrics = metrics.clone(prefix="test/")
 
     def setup(self, stage: str) -> None:
-        # The CLI takes model and data arguments separately; a mismatch would otherwise
-        # surface deep inside the first step (a channel error or a label out of bounds).
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        for name in ("num_classes", "in_channels"):
-            expected = getattr(datamodule, name, None)
-            if isinstance(expected, int) and expected != self.hparams[name]:
-                raise ValueError(
-                    f"The data module has {name}={expected} but the model was built with {name}="
-                    f"{self.hparams[name]}. Fix: pass `--model.init_args.{name} {expected}` (or "
-                    f"LPA3Classifier({name}={expected}))."
-                )
+        check_datamodule_agrees(self, ("num_classes", "in_channels"), "LPA3Classifier")
 
     def lpa3_model(self) -> nn.Module:
         return self.model

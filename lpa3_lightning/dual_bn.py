@@ -26,7 +26,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
     "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm", "TwinStatistics",
-    "anchor_twin_parameters", "convert_dual_bn", "frozen_twin_bn", "has_dual_bn", "twin_parameters", "use_twin_bn",
+    "anchor_twin_parameters", "convert_dual_bn", "frozen_twin_bn", "has_dual_bn", "reference_twin_bn", "twin_parameters",
+    "use_twin_bn",
 ]
 
 #: The authors' momentum for the twin BN's running statistics.
@@ -55,7 +56,7 @@ class _DualBatchNormMixin:
     twin: _BatchNorm
     _route_twin: bool
     _twin_track_stats: bool
-    _twin_frozen: tuple[Tensor, Tensor] | str | None
+    _twin_frozen: tuple[Tensor, Tensor] | str | int | None
     _anchor_twin: bool
 
     def _init_twin(self, twin: _BatchNorm) -> None:
@@ -88,11 +89,29 @@ class _DualBatchNormMixin:
         # every sample's output depends on that sample alone (the attack's per-sample check).
         twin = self.twin
         twin._check_input_dim(x)
+        if isinstance(self._twin_frozen, int) and not isinstance(self._twin_frozen, bool):
+            return self._reference_twin_forward(x, self._twin_frozen)
         if self._twin_frozen == "capture":
             dims = [0, *range(2, x.dim())]
             self._twin_frozen = (x.detach().mean(dims), x.detach().var(dims, unbiased=False))
         mean, var = self._twin_frozen  # type: ignore[misc]
         return F.batch_norm(x, mean, var, twin.weight, twin.bias, False, 0.0, twin.eps)
+
+    def _reference_twin_forward(self, x: Tensor, num_reference: int) -> Tensor:
+        # Reference-batch normalisation (Salimans et al., NeurIPS 2016): the first
+        # ``num_reference`` rows set the statistics for all rows, and gradients flow through
+        # them as in ordinary batch normalisation (the scale invariance that keeps BN training
+        # stable); no running buffer moves. The values equal the frozen statistics of those rows.
+        twin = self.twin
+        dims = [0, *range(2, x.dim())]
+        reference = x[:num_reference]
+        mean = reference.mean(dims, keepdim=True)
+        var = reference.var(dims, unbiased=False, keepdim=True)
+        out = (x - mean) * torch.rsqrt(var + twin.eps)
+        if twin.affine:
+            shape = [1, -1] + [1] * (x.dim() - 2)
+            out = out * twin.weight.view(shape) + twin.bias.view(shape)
+        return out
 
     def _load_from_state_dict(
         self,
@@ -237,6 +256,30 @@ def anchor_twin_parameters(model: nn.Module, enabled: bool = True) -> None:
         layer._anchor_twin = bool(enabled)
 
 
+def _twin_layers_of(model: nn.Module) -> list[_DualBatchNormMixin]:
+    layers = _dual_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first.")
+    return layers
+
+
+@contextlib.contextmanager
+def _routed(layers: list[_DualBatchNormMixin], frozen: list[Any], track_running_stats: bool = True) -> Iterator[None]:
+    """Route ``layers`` through their twins with the given per-layer ``_twin_frozen`` mode; restore after."""
+    saved = [(layer._route_twin, layer._twin_track_stats, layer._twin_frozen) for layer in layers]
+    try:
+        for layer, mode in zip(layers, frozen):
+            layer._route_twin = True
+            layer._twin_track_stats = track_running_stats
+            layer._twin_frozen = mode
+        yield
+    finally:
+        for layer, (route, track, mode) in zip(layers, saved):
+            layer._route_twin = route
+            layer._twin_track_stats = track
+            layer._twin_frozen = mode
+
+
 @contextlib.contextmanager
 def frozen_twin_bn(model: nn.Module, statistics: TwinStatistics | None = None) -> Iterator[TwinStatistics]:
     """Route forwards through the twins with frozen batch statistics.
@@ -250,26 +293,34 @@ def frozen_twin_bn(model: nn.Module, statistics: TwinStatistics | None = None) -
         ValueError: if ``model`` has no twin BatchNorm, or ``statistics`` has another number
             of layers than the model has twins.
     """
-    layers = _dual_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first.")
+    layers = _twin_layers_of(model)
     if statistics is not None and len(statistics) != len(layers):
         raise ValueError(f"`statistics` holds {len(statistics)} layers but the model has {len(layers)} twin "
                          "BatchNorms. Fix: pass statistics captured from this model.")
     captured = TwinStatistics() if statistics is None else statistics
-    saved = [(layer._route_twin, layer._twin_track_stats, layer._twin_frozen) for layer in layers]
-    try:
-        for i, layer in enumerate(layers):
-            layer._route_twin = True
-            layer._twin_frozen = "capture" if statistics is None else statistics.values[i]
+    with _routed(layers, ["capture"] * len(layers) if statistics is None else list(statistics.values)):
         yield captured
         if statistics is None and all(isinstance(layer._twin_frozen, tuple) for layer in layers):
             captured.values = [layer._twin_frozen for layer in layers]  # type: ignore[misc]
-    finally:
-        for layer, (route, track, frozen) in zip(layers, saved):
-            layer._route_twin = route
-            layer._twin_track_stats = track
-            layer._twin_frozen = frozen
+
+
+@contextlib.contextmanager
+def reference_twin_bn(model: nn.Module, num_reference: int) -> Iterator[nn.Module]:
+    """Route forwards through the twins, normalising every row with the first ``num_reference`` rows' statistics.
+
+    The training forward of ``x'``: ``model(cat([x_reference, x_adv]))`` normalises ``x'`` with
+    exactly the statistics the solver froze (those of the clean selected samples, computed in
+    the same way), while gradients flow through the statistics as in ordinary batch
+    normalisation. Running buffers never move.
+
+    Raises:
+        ValueError: if ``model`` has no twin BatchNorm or ``num_reference`` < 1.
+    """
+    layers = _twin_layers_of(model)
+    if isinstance(num_reference, bool) or not isinstance(num_reference, int) or num_reference < 1:
+        raise ValueError(f"`num_reference` must be an int >= 1, got {num_reference!r}.")
+    with _routed(layers, [num_reference] * len(layers)):
+        yield model
 
 
 @contextlib.contextmanager
@@ -289,21 +340,6 @@ def use_twin_bn(
     Raises:
         ValueError: if ``model`` has no twin BatchNorm.
     """
-    layers = _dual_layers(model)
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first "
-            "(or do not route through twins for this model)."
-        )
-    saved = [(layer._route_twin, layer._twin_track_stats, layer._twin_frozen) for layer in layers]
-    try:
-        for layer in layers:
-            layer._route_twin = True
-            layer._twin_track_stats = track_running_stats
-            layer._twin_frozen = "capture" if freeze_statistics else None
+    layers = _twin_layers_of(model)
+    with _routed(layers, ["capture" if freeze_statistics else None] * len(layers), track_running_stats):
         yield model
-    finally:
-        for layer, (route, track, frozen) in zip(layers, saved):
-            layer._route_twin = route
-            layer._twin_track_stats = track
-            layer._twin_frozen = frozen

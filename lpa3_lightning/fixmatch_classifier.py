@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lpa3_lightning.classifier import check_datamodule_agrees
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins.base import split_indexed_batch
 from lpa3_lightning.mixins.fixmatch import FixMatchLPA3Mixin
@@ -114,14 +115,7 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        for name in ("num_classes", "in_channels"):
-            expected = getattr(datamodule, name, None)
-            if isinstance(expected, int) and expected != self.hparams[name]:
-                raise ValueError(
-                    f"The data module has {name}={expected} but the model was built with {name}={self.hparams[name]}. "
-                    f"Fix: pass `--model.init_args.{name} {expected}` (or FixMatchClassifier({name}={expected}))."
-                )
+        datamodule = check_datamodule_agrees(self, ("num_classes", "in_channels"), "FixMatchClassifier")
         unlabeled = getattr(datamodule, "num_unlabeled", None)
         if isinstance(unlabeled, int):
             self.lpa3_num_samples = unlabeled  # the TCS memory runs over the unlabeled set

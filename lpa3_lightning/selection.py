@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "check_ratio", "check_threshold_rule", "random_selection", "select_below_threshold", "selected_count", "selection_threshold",
+    "check_initial_selection", "check_ratio", "check_threshold_rule", "random_selection", "select_below_threshold",
+    "selected_count", "selection_threshold",
 ]
 
 
@@ -40,6 +41,13 @@ def selected_count(num_samples: int, ratio: float) -> int:
         (273, 1)
     """
     return min(num_samples, max(1, int(math.floor(ratio * num_samples + 0.5))))
+
+
+def check_initial_selection(initial_selection: str) -> None:
+    """Raise a ValueError naming ``initial_selection`` unless it is ``"random"`` or ``"all"``."""
+    if initial_selection not in ("random", "all"):
+        raise ValueError(f"`initial_selection` must be 'random' or 'all', got {initial_selection!r}. "
+                         "Fix: use 'random' ('all' is the authors' choice).")
 
 
 def check_threshold_rule(rule: str) -> None:

@@ -28,7 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lpa3_lightning.selection import (
-    check_ratio, check_threshold_rule, random_selection, select_below_threshold, selection_threshold,
+    check_initial_selection,
+    check_ratio,
+    check_threshold_rule,
+    random_selection,
+    select_below_threshold,
+    selection_threshold,
 )
 
 __all__ = ["TimeConsistency", "tcs_divergence", "tcs_update"]
@@ -138,9 +143,7 @@ class TimeConsistency:
             raise ValueError(f"`divergence` must be 'code' or 'paper', got {divergence!r}.")
         if initial_memory not in ("uniform", "authors"):
             raise ValueError(f"`initial_memory` must be 'uniform' or 'authors', got {initial_memory!r}.")
-        if initial_selection not in ("random", "all"):
-            raise ValueError(f"`initial_selection` must be 'random' or 'all', got {initial_selection!r}. "
-                             "Fix: use 'random' ('all' is the authors' choice).")
+        check_initial_selection(initial_selection)
         self.initial_selection = initial_selection
         check_threshold_rule(threshold_rule)
         self.threshold_rule = threshold_rule

@@ -134,7 +134,12 @@ def test_gather_is_a_no_op_in_one_process_and_dedup_keeps_first():
 def test_a_user_written_module_trains_through_warmup_under_ddp(tmp_path):
     """The README recipe has no twin anchor of its own: the callback ties the twins into every
     step, so the warm-up (no x' anywhere) does not fail with unused parameters."""
-    rank0, rank1 = _launch(tmp_path, "user_module")
+    done = _run(tmp_path, "user_module")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the callback's per-epoch logs are torchmetrics aggregates synced across ranks: no Lightning
+    # warning asks for sync_dist=True
+    assert "sync_dist=True" not in done.stdout + done.stderr
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     for state in (rank0, rank1):
         assert state["seen_augmented"][: N // (2 * PER_RANK_BATCH)] == [0] * (N // (2 * PER_RANK_BATCH))
         assert sum(state["seen_augmented"]) > 0  # after the warm-up x' was trained
@@ -152,3 +157,11 @@ def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
     done = _run(tmp_path, mode)
     assert done.returncode != 0
     assert reason in done.stdout + done.stderr
+
+
+def test_fixmatch_under_ddp_keeps_one_tcs_memory_over_the_unlabeled_set(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "fixmatch")
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    assert rank0["tcs"]["num_samples"] == 64 and bool(rank0["tcs"]["seen"].all())  # both ranks' samples applied
+    assert sum(p["num_augmented"] for p in rank0["parts"] + rank1["parts"]) > 0

@@ -116,7 +116,8 @@ class LPA3ModuleMixin:
         """
         logits = augmented_logits(
             self.lpa3_model(), augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
-            bn_statistics=augmented.bn_statistics, logits_fn=self.lpa3_logits,
+            bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
+            logits_fn=self.lpa3_logits,
             train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
         )
         self._lpa3_augmented_logits = logits.detach()

@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
     python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1,user_module,
-                                         bad_index_rank1,crash_rank1}
+                                         bad_index_rank1,crash_rank1,fixmatch}
 
 'supervised' also caches x' (regenerate_every_n_epochs=2). 'user_module' trains a module
 written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
@@ -136,6 +136,19 @@ class Recording(LPA3Callback):
 def main(out: Path, mode: str) -> None:
     pl.seed_everything(0)
     user = mode in ("user_module", "bad_index_rank1", "crash_rank1")
+    if mode == "fixmatch":
+        from tests.mixins.test_fixmatch import UserFixMatch, _loaders
+
+        module = UserFixMatch(num_unlabeled=64)
+        callback = Recording(ratio=0.5, steps=2, seed=0, input_range=None)
+        trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=2, callbacks=[callback],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out)
+        trainer.fit(module, _loaders(n_unlabeled=64, batch=2, mu=4))
+        torch.save({"tcs": callback.tcs.state_dict(), "parts": module.parts,
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   out / f"rank{trainer.global_rank}.pt")
+        return
     if user:
         module = UserModule(fault=None if mode == "user_module" else mode)
     else:

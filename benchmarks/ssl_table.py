@@ -1,0 +1,173 @@
+"""FixMatch against FixMatch + LP-A3 at few labels: EMA test accuracy, wall time, convergence.
+
+    python benchmarks/ssl_table.py --sources mnist5k --labels 10 20 40 --seeds 0 1 2 --steps 1000
+    python benchmarks/ssl_table.py --sources pneumoniamnist --labels 20 100 --root ../shared/data/medmnist
+
+Each run trains ``FixMatchClassifier`` (small CNN, the FixMatch recipe, batch 32 + 7 x 32
+unlabeled) for the same number of steps with and without ``LPA3Callback`` (ratio 0.9, sigma
+0.02, the authors' settings; the LP-A3 term after ``--lpa3-warmup`` epochs), evaluates the EMA
+weights (0.999) on the test split every ``--eval-every`` steps, and writes one JSON per run to
+``--out`` (a finished run is not repeated). The summary prints mean +- std of the final EMA
+test accuracy and the wall time per method, and, per seed, the steps and seconds LP-A3 took to
+reach FixMatch's final accuracy (the paper's convergence claim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+METHODS = ("fixmatch", "fixmatch_lpa3")
+
+
+def result_path(out: Path, source: str, labels: int, method: str, seed: int, steps: int) -> Path:
+    return out / f"{source}_{labels}_{method}_s{steps}_seed{seed}.json"
+
+
+def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every: int, out: Path, root: str | None,
+        lpa3_warmup: int, regenerate: int) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
+
+    from lpa3_lightning import FixMatchClassifier, LPA3Callback
+    from lpa3_lightning.data import SemiSupervisedDataModule
+
+    path = result_path(out, source, labels, method, seed, steps)
+    if path.exists():
+        return json.loads(path.read_text())
+    pl.seed_everything(seed)
+    data = SemiSupervisedDataModule(source, root=root, num_labels=labels, seed=seed, batch_size=32, mu=7,
+                                    eval_batch_size=500)
+    data.setup("fit")
+    data.setup("test")
+    module = FixMatchClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
+                                lpa3_loss_warmup_epochs=lpa3_warmup)
+    ema = EMAWeightAveraging(decay=0.999)
+
+    class Curve(Callback):
+        """EMA test accuracy every ``eval_every`` optimizer steps, with the training wall time."""
+
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+            self.seconds = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seconds += time.perf_counter() - self._start
+            step = trainer.global_step
+            if step % eval_every == 0 or step == steps:
+                model = ema._average_model.module.model if ema._average_model is not None else pl_module.model
+                model.eval()
+                correct = total = 0
+                with torch.no_grad():
+                    for x, y, _ in data.test_dataloader():
+                        correct += int((model(x).argmax(1) == y).sum())
+                        total += len(y)
+                model.train()
+                self.rows.append({"step": step, "train_seconds": self.seconds, "test_acc": correct / total})
+
+    curve = Curve()
+    # the curve callback first: its timer includes the LP-A3 callback's work in on_train_batch_start
+    callbacks: list[Callback] = [curve, ema]
+    if method == "fixmatch_lpa3":
+        callbacks.insert(1, LPA3Callback(ratio=0.9, sigma=0.02, steps=5, seed=seed,
+                                         regenerate_every_n_epochs=regenerate))
+    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", devices=1, callbacks=callbacks,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+    result = {"source": source, "labels": labels, "method": method, "seed": seed, "steps": steps,
+              "final_test_acc": curve.rows[-1]["test_acc"], "wall_seconds": curve.seconds, "curve": curve.rows,
+              "steps_per_epoch": data.num_steps_per_epoch, "lpa3_warmup_epochs": lpa3_warmup,
+              "regenerate_every_n_epochs": regenerate}
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _ms(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+
+
+def summarize(results: list[dict]) -> str:
+    lines = ["| data set | labels | method | EMA test acc (final) | train wall s (per run) | seeds | steps |",
+             "|---|---|---|---|---|---|---|"]
+    notes = []
+    for source, labels in sorted({(r["source"], r["labels"]) for r in results}):
+        for method in METHODS:
+            rs = [r for r in results if (r["source"], r["labels"], r["method"]) == (source, labels, method)]
+            if rs:
+                lines.append(f"| {source} | {labels} | {method} | {_ms([r['final_test_acc'] for r in rs])} | "
+                             f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['steps']} |")
+        for seed in sorted({r["seed"] for r in results if (r["source"], r["labels"]) == (source, labels)}):
+            pair = {r["method"]: r for r in results if (r["source"], r["labels"], r["seed"]) == (source, labels, seed)}
+            if set(METHODS) <= set(pair):
+                target = pair["fixmatch"]["final_test_acc"]
+                base = next(row for row in pair["fixmatch"]["curve"] if row["test_acc"] >= target)
+                hit = next((row for row in pair["fixmatch_lpa3"]["curve"] if row["test_acc"] >= target), None)
+                reached = "never" if hit is None else (f"step {hit['step']} ({hit['train_seconds']:.0f} s)")
+                notes.append(f"{source} {labels} labels seed {seed}: FixMatch final {target:.3f} first at step "
+                             f"{base['step']} ({base['train_seconds']:.0f} s); FixMatch + LP-A3 reached it: {reached}")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sources", nargs="+", default=["mnist5k"])
+    parser.add_argument("--labels", nargs="+", type=int, default=[10, 20, 40])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--lpa3-warmup", type=int, default=5, help="epochs before the LP-A3 term counts")
+    parser.add_argument("--regenerate", type=int, default=1, help="regenerate_every_n_epochs (K) of the callback")
+    parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ssl_runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source labels method seed
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        source, labels, method, seed = args.worker
+        run(source, int(labels), method, int(seed), args.steps, args.eval_every, args.out, args.root,
+            args.lpa3_warmup, args.regenerate)
+        return
+    todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
+    running: list[subprocess.Popen] = []
+    for source, labels, method, seed in todo:
+        if result_path(args.out, source, labels, method, seed, args.steps).exists():
+            continue
+        cmd = [sys.executable, __file__, "--worker", source, str(labels), method, str(seed), "--steps",
+               str(args.steps), "--eval-every", str(args.eval_every), "--lpa3-warmup", str(args.lpa3_warmup),
+               "--regenerate", str(args.regenerate), "--out", str(args.out)]
+        cmd += ["--root", args.root] if args.root else []
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        running.append(subprocess.Popen(cmd, cwd=ROOT))
+        while len(running) >= args.jobs:
+            running = [p for p in running if p.poll() is None]
+            time.sleep(1)
+    for p in running:
+        p.wait()
+    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
+    results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources]
+    print(summarize(results))
+
+
+if __name__ == "__main__":
+    main()
