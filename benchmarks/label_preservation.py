@@ -3,7 +3,7 @@
     python benchmarks/label_preservation.py
 
 Trains a small CNN to saturation on synthetic images (class = brightness), then attacks
-fresh samples with no input box, the setting METHOD.md names as the authors' loop's worst
+fresh samples with no input box, the setting docs/method.md names as the authors' loop's worst
 case. Prints, per sigma, the fraction of samples with log p(y|x') >= log p(y|x) - sigma, the
 mean input change (L2) and the mean perceptual distance, for project=False and True.
 """

@@ -5,7 +5,7 @@
 
 Takes the first shuffled training batch (128 images, seed 0) of the checkpoint's MedMNIST data
 set, runs lpa3_attack on it in both BN modes with ``max_step`` None (the authors' unbounded
-step), 1.0 and 0.5, and prints the L2 distance quantiles of x' from x, the share of samples
+step), "auto" (the default: 2% of the input box's diagonal, 1.12 here), 1.0 and 0.5, and prints the L2 distance quantiles of x' from x, the share of samples
 with more than a tenth of their pixels newly pushed to the edge of the pixel box, the mean
 perceptual distance and the share kept / pulled back.
 """
@@ -43,7 +43,7 @@ def main() -> None:
     print(f"{'bn mode':8} {'max_step':>8} {'L2 median':>10} {'L2 p90':>7} {'L2 max':>7} {'saturated':>10} "
           f"{'feat dist':>10} {'kept':>5} {'pulled back':>12}")
     for bn_mode in ("twin", "eval"):
-        for max_step in (None, 1.0, 0.5):
+        for max_step in (None, "auto", 1.0, 0.5):
             x_adv, stats = lpa3_attack(model, x, y, bn_mode=bn_mode, input_range=data.normalization,
                                        max_step=max_step, return_stats=True,
                                        generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ perceptual distance. On a GPU the whole benchmark runs with TF32 off (lpa3_attac
 computes in full float32, see its docstring) and deterministic cuDNN kernels, so that the
 authors' x' can be compared with ours: both are otherwise amplified by the 1/slope step.
 
-The transcription follows METHOD.md, written here: loss.backward() through every parameter
+The transcription follows docs/method.md, written here: loss.backward() through every parameter
 (filling .grad, zeroed each step) and a finite-difference forward at every step. All solvers
 run the model in eval mode (BN on running statistics) so that their x' can be compared; the
 authors run it in train mode through twin BNs, which costs the same passes.
@@ -46,7 +46,7 @@ SIGMA = 0.02
 
 def authors_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor, low: float, high: float,
                  sigma: float = SIGMA, steps: int = 5, lam: float = 1.0) -> torch.Tensor:
-    """METHOD.md's loop with the authors' costs (backward through the parameters), in eval mode."""
+    """docs/method.md's loop with the authors' costs (backward through the parameters), in eval mode."""
     feats = PerceptualFeatures(model)
     with torch.no_grad():
         logits0, phi0 = feats(x)

@@ -41,7 +41,8 @@ class MyClassifier(LPA3ModuleMixin, pl.LightningModule):  # 1. inherit the mixin
         loss = F.cross_entropy(logits, y)
         augmented = self.lpa3_take_augmented()  # 6. the hard positives of this batch, if any
         if augmented is not None and len(augmented):
-            # 7. their logits in the forward the solver verified (twin BNs, frozen statistics)
+            # 7. their logits in the forward the solver verified (twin BNs on the clean selected
+            #    samples' statistics)
             loss = loss + F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets)
         return loss
 

@@ -123,7 +123,7 @@ class AugmentationCache:
             raise RuntimeError("The augmentation cache is empty.")
         return self.storage[self._check_indices(indices)]
 
-    def put(self, indices: Tensor, inputs: Tensor, epoch: int, labels: Tensor | None = None) -> None:
+    def put(self, indices: Tensor, inputs: Tensor, labels: Tensor | None = None, *, epoch: int) -> None:
         """Store ``x'`` for ``indices`` as generated in ``epoch`` (for ``labels``, when given)."""
         if indices.numel() == 0:
             return

@@ -439,11 +439,27 @@ class LPA3Callback(Callback):
         self._pending = None
         if trainer.current_epoch < self.warmup_epochs:
             return
-        mask = self._select(request, trainer.current_epoch)  # type: ignore[arg-type]
-        tcs_selected = int(mask.sum())  # before _augment leaves lone or uncached samples out
-        augmented = self._augment(trainer, pl_module, request, mask)  # type: ignore[arg-type]
+        augmented, tcs_selected, new_rows = None, 0, None
+        try:  # the local work: a failure on one rank must reach the others before the cache's gather
+            mask, tcs_selected = self._select(request, trainer.current_epoch)  # type: ignore[arg-type]
+            augmented, new_rows = self._augment(trainer, pl_module, request, mask)  # type: ignore[arg-type]
+        except Exception as exc:
+            error = exc
+        self._raise_together(error)
+        if self.cache is not None:  # collective under DDP: every rank stores every rank's new x'
+            self.cache.put(*self._gather_new(new_rows, request), epoch=trainer.current_epoch)  # type: ignore[arg-type]
         pl_module.lpa3_set_augmented(augmented)
         self._log_batch(pl_module, request, augmented, tcs_selected)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _gather_new(new_rows: tuple[Tensor, Tensor, Tensor] | None, request: LPA3Request
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Every rank's freshly solved (indices, x', labels); a rank without any sends empty rows."""
+        if new_rows is None:
+            x = request.inputs
+            new_rows = (request.indices[:0], x[:0].detach(), request.targets[:0])
+        idx, x_new, labels = gather_rows(*new_rows)
+        return idx, x_new, labels
 
     @staticmethod
     def _raise_together(error: Exception | None) -> None:
@@ -455,8 +471,10 @@ class LPA3Callback(Callback):
             raise RuntimeError("LPA3Callback stopped because another process refused its batch; that process's "
                                "log has the reason and the fix.")
 
-    def _select(self, request: LPA3Request, epoch: int) -> Tensor:
+    def _select(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int]:
+        """The samples to augment, and how many TCS selected before the filters below."""
         mask = self._memory().select(request.indices, epoch).to(request.inputs.device)
+        tcs_selected = int(mask.sum())
         finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else mask
         self._nonfinite = int((~finite).sum())
         mask = mask & finite  # NaN / Inf inputs are never attacked (counted in lpa3/nonfinite_inputs)
@@ -464,7 +482,7 @@ class LPA3Callback(Callback):
             # Batch statistics (twin BN in train mode) need two samples; a lone selection is
             # dropped for this batch rather than crashing BatchNorm1d models.
             mask = torch.zeros_like(mask)
-        return mask
+        return mask, tcs_selected
 
     def _check_request(self, request: LPA3Request, num_classes: int, num_samples: int) -> None:
         if not isinstance(request, LPA3Request):
@@ -496,7 +514,8 @@ class LPA3Callback(Callback):
             )
 
     def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
-                 mask: Tensor) -> AugmentedBatch:
+                 mask: Tensor) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:
+        """This rank's hard positives (no collective), and its newly solved rows for the cache."""
         x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
         epoch = trainer.current_epoch
         # a cached x' is reused only for the label it was solved for (pseudo-labels change)
@@ -535,15 +554,15 @@ class LPA3Callback(Callback):
             x_out[new] = x_new
         if bool(reuse.any()):
             x_out[reuse] = self.cache.get(idx[reuse]).to(x.device, x.dtype)  # type: ignore[union-attr]
-        if self.cache is not None:  # collective under DDP: every rank stores every rank's new x'
-            all_idx, all_new, all_labels = gather_rows(idx[new], x_new.detach(), y[new])
-            self.cache.put(all_idx, all_new, epoch, all_labels)
+        new_rows = (idx[new], x_new.detach(), y[new]) if self.cache is not None else None
         self._eval_preserved = None
         if self.log_eval_preservation and x.shape[0]:
             self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x, x_out, y)
-        return AugmentedBatch(inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()),
-                              bn_mode=bn_mode, bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
-                              reference_inputs=x.detach() if bn_mode == "twin" and x.shape[0] else None)
+        augmented = AugmentedBatch(
+            inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()), bn_mode=bn_mode,
+            bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
+            reference_inputs=x.detach() if bn_mode == "twin" and x.shape[0] else None)
+        return augmented, new_rows
 
     def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
                                 y: Tensor) -> Tensor:

@@ -39,12 +39,13 @@ class TwinStatistics:
     """Frozen per-layer batch statistics of the twin BatchNorms (one ``(mean, var)`` per twin).
 
     Captured from the clean selected samples of a batch (see :func:`frozen_twin_bn`) and used
-    by every forward that must agree with the solver's: the solver's own, and the training
-    forward of ``x'``. With constant statistics each sample's output depends on that sample
-    alone, so the label constraint checked per sample holds for the batch as a whole.
+    by the solver's forwards; the training forward of ``x'`` recomputes the same values from
+    those samples (:func:`reference_twin_bn`). With statistics that do not depend on the
+    ``x'`` each sample's output depends on that sample alone, so the label constraint checked
+    per sample holds for the batch as a whole. A twin that never ran holds None.
     """
 
-    values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    values: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.values)
@@ -298,10 +299,14 @@ def frozen_twin_bn(model: nn.Module, statistics: TwinStatistics | None = None) -
         raise ValueError(f"`statistics` holds {len(statistics)} layers but the model has {len(layers)} twin "
                          "BatchNorms. Fix: pass statistics captured from this model.")
     captured = TwinStatistics() if statistics is None else statistics
-    with _routed(layers, ["capture"] * len(layers) if statistics is None else list(statistics.values)):
+    # a twin that never runs in this forward (e.g. an auxiliary head skipped in eval mode) keeps
+    # None: given back, it captures again, which no forward of this model reaches either
+    given = None if statistics is None else ["capture" if v is None else v for v in statistics.values]
+    with _routed(layers, ["capture"] * len(layers) if given is None else given):
         yield captured
-        if statistics is None and all(isinstance(layer._twin_frozen, tuple) for layer in layers):
-            captured.values = [layer._twin_frozen for layer in layers]  # type: ignore[misc]
+        if statistics is None:
+            captured.values = [layer._twin_frozen if isinstance(layer._twin_frozen, tuple) else None  # type: ignore[misc]
+                               for layer in layers]
 
 
 @contextlib.contextmanager

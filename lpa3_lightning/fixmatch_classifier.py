@@ -64,7 +64,8 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         lambda_u: weight of the unlabeled loss (1).
         lpa3_confidence_threshold: the LP-A3 term's second threshold (0.9).
         lpa3_weight: weight of the LP-A3 term (1).
-        lpa3_loss_warmup_epochs: epochs before the LP-A3 term counts (the authors: 5).
+        lpa3_loss_warmup_epochs: passes over the unlabeled set before the LP-A3 term counts
+            (the authors: after 5 x 1024 steps; see ``configs/ssl/make_configs.py``).
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
         model: use this network instead of building ``arch``.
 

@@ -63,7 +63,7 @@ def test_default_keeps_constraint_on_every_sample_of_a_confident_model(sigma):
 
 
 def test_authors_loop_breaks_the_constraint_where_the_default_keeps_it():
-    """The defect named in METHOD.md: with no input box the step explodes on a confident model."""
+    """The defect named in docs/method.md: with no input box the step explodes on a confident model."""
     net = confident_cnn()
     x, y = confident_batch()
     gen = torch.Generator().manual_seed(0)

@@ -646,8 +646,25 @@ def test_one_new_sample_among_cached_ones_waits(tmp_path):
     from lpa3_lightning.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(16, 1, 28, 28), torch.zeros(16, dtype=torch.long), torch.arange(16))
-    augmented = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
+    augmented, _ = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
     assert len(augmented) == 15 and augmented.reused == 15 and not bool(augmented.mask[0])
+
+
+def test_a_cached_x_prime_is_reused_only_for_the_label_it_was_solved_for(tmp_path):
+    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
+    module = TinyClassifier()
+    trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
+    trainer.fit(module, _loader(16, 16, shuffle=False))
+    callback.cache.written[:16] = 0
+    callback.cache.labels[:16] = 0  # every entry solved for label 0
+    from lpa3_lightning.augmented import LPA3Request
+
+    targets = torch.tensor([0, 1] * 8)  # pseudo-labels moved on for half of them
+    request = LPA3Request(torch.randn(16, 1, 28, 28), targets, torch.arange(16))
+    augmented, new_rows = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
+    assert augmented.reused == 8  # only the label-0 entries were reused
+    assert new_rows is not None and sorted(new_rows[0].tolist()) == list(range(1, 16, 2))  # the others re-solved
+    assert torch.equal(new_rows[2], torch.ones(8, dtype=torch.long))
 
 
 def test_fast_solver_in_a_trainer_reaches_the_attack(tmp_path, monkeypatch):
@@ -763,5 +780,5 @@ def test_a_lone_cached_x_prime_is_not_trained_alone(tmp_path):
     from lpa3_lightning.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(2, 1, 28, 28), torch.zeros(2, dtype=torch.long), torch.arange(2))
-    augmented = callback._augment(trainer, module, request, torch.ones(2, dtype=torch.bool))
+    augmented, _ = callback._augment(trainer, module, request, torch.ones(2, dtype=torch.bool))
     assert len(augmented) == 0 and not bool(augmented.mask.any())

@@ -65,7 +65,7 @@ class Recorder(SupervisedLPA3Mixin, pl.LightningModule):
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
             logits_aug = self.lpa3_forward_augmented(augmented)  # the forward the loss uses
-            self.records.append({"model": before, "x": x[augmented.mask].detach().clone(),
+            self.records.append({"model": before, "epoch": self.current_epoch, "x": x[augmented.mask].detach().clone(),
                                  "x_adv": augmented.inputs.detach().clone(), "y": augmented.targets.clone(),
                                  "logits_aug": logits_aug.detach().float().clone(), "dtype": logits.dtype})
             loss = loss + F.cross_entropy(logits_aug, augmented.targets)
@@ -159,11 +159,13 @@ def test_constraint_holds_in_the_training_forward(tmp_path, twin_bn, precision):
     assert kept >= 0.99, kept
     # the recorded logits are the forward the reference reproduces (float32 rounding apart)
     assert mismatch < 1e-3, mismatch
-    # the callback's own logs agree with the independent counts
+    # the callback's logs of the last epoch agree with the independent counts over its batches
+    last = [r for r in module.records if r["epoch"] == module.records[-1]["epoch"]]
+    kept_last, kept_eval_last, _ = independent_shares(last, twin_bn)
     metrics = trainer.callback_metrics
-    assert float(metrics["lpa3/label_preserved_epoch"]) >= 0.99
-    assert 0.0 <= float(metrics["lpa3/label_preserved_eval_epoch"]) <= 1.0
-    assert kept_eval <= 1.0
+    one_sample = 1.0 / sum(len(r["y"]) for r in last) + 1e-6  # float rounding may flip a boundary sample
+    assert abs(float(metrics["lpa3/label_preserved_epoch"]) - kept_last) <= one_sample
+    assert abs(float(metrics["lpa3/label_preserved_eval_epoch"]) - kept_eval_last) <= one_sample
 
 
 def test_the_check_fails_for_the_authors_training_forward(tmp_path):

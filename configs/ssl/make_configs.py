@@ -6,29 +6,43 @@ One YAML per paper row (Yang et al., NeurIPS 2022, Table 1: FixMatch and FixMatc
 CIFAR-10 40/250/4000 labels, CIFAR-100 400/2500/10000, STL-10 1000), with the FixMatch recipe
 (Sohn et al., NeurIPS 2020: 2^20 steps, batch 64, mu 7, SGD Nesterov 0.03, cosine 7pi/16,
 EMA 0.999, threshold 0.95) and the LP-A3 authors' settings (sigma 0.002 for CIFAR-10 and
-STL-10, 0.02 for CIFAR-100, ratio 0.9, lam 1, 5 steps, the LP-A3 term after 5 epochs with
-pseudo-label confidence >= 0.9), plus CPU rows on MNIST-5k (shipped) and PneumoniaMNIST.
+STL-10, 0.02 for CIFAR-100, ratio 0.9, lam 1, 5 steps, the LP-A3 term with pseudo-label
+confidence >= 0.9 once the warm-up is over), plus CPU rows on MNIST-5k (shipped) and
+PneumoniaMNIST.
+
+Epochs: here an epoch is one pass over the unlabeled set (the TCS threshold is refreshed after
+each, as in the authors' code). The authors' public FixMatch code counts its epochs in blocks
+of 1024 steps and adds the LP-A3 term once more than 5 of them have passed (from step 6144 of
+2^18 steps, 2.3% of the run); ``lpa3_loss_warmup_epochs`` below is that many steps in passes
+(paper rows) or the same 2.3% share of the run (CPU rows).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-PAPER = {  # source -> (arch, classes, channels, sigma, weight decay, label counts)
-    "cifar10": ("wrn28_2", 10, 3, 0.002, 5e-4, (40, 250, 4000)),
-    "cifar100": ("wrn28_8", 100, 3, 0.02, 1e-3, (400, 2500, 10000)),
-    "stl10": ("wrn28_2", 10, 3, 0.002, 5e-4, (1000,)),
+PAPER = {  # source -> (arch, classes, channels, sigma, weight decay, label counts, unlabeled set size)
+    "cifar10": ("wrn28_2", 10, 3, 0.002, 5e-4, (40, 250, 4000), 50000),
+    "cifar100": ("wrn28_8", 100, 3, 0.02, 1e-3, (400, 2500, 10000), 50000),
+    "stl10": ("wrn28_2", 10, 3, 0.002, 5e-4, (1000,), 105000),
 }
-CPU = {  # source -> (arch, classes, channels, sigma, label counts, batch, max_steps)
-    "mnist5k": ("small_cnn", 10, 1, 0.02, (10, 20, 40), 32, 1000),
-    "pneumoniamnist": ("small_cnn", 2, 1, 0.02, (20, 100), 32, 1000),
+CPU = {  # source -> (arch, classes, channels, sigma, label counts, batch, max_steps, unlabeled set size)
+    "mnist5k": ("small_cnn", 10, 1, 0.02, (10, 20, 40), 32, 1000, 4000),
+    "pneumoniamnist": ("small_cnn", 2, 1, 0.02, (20, 100), 32, 1000, 4708),
 }
+AUTHORS_WARMUP_STEPS = 6 * 1024  # the LP-A3 term counts when epoch > 5, an epoch being 1024 steps
+AUTHORS_TOTAL_STEPS = 2**18
+
+
+def warmup_passes(warmup_steps: float, unlabeled: int, batch: int, mu: int = 7) -> int:
+    return max(1, math.ceil(warmup_steps / math.ceil(unlabeled / (mu * batch))))
 
 
 def _yaml(name: str, *, source: str, arch: str, classes: int, channels: int, wd: float, labels: int, batch: int,
-          max_steps: int, sigma: float | None, root: str | None, download: bool, note: str) -> str:
+          max_steps: int, sigma: float | None, root: str | None, download: bool, note: str, warmup: int) -> str:
     lpa3 = "" if sigma is None else f"""    - class_path: lpa3_lightning.LPA3Callback
       init_args:
         ratio: 0.9
@@ -72,7 +86,7 @@ model:
     lambda_u: 1.0
     lpa3_confidence_threshold: 0.9
     lpa3_weight: 1.0
-    lpa3_loss_warmup_epochs: 5
+    lpa3_loss_warmup_epochs: {warmup}
     twin_bn: true
 data:
   class_path: lpa3_lightning.data.SemiSupervisedDataModule
@@ -89,7 +103,7 @@ data:
 
 def main() -> None:
     written = []
-    for source, (arch, classes, channels, sigma, wd, counts) in PAPER.items():
+    for source, (arch, classes, channels, sigma, wd, counts, unlabeled) in PAPER.items():
         for labels in counts:
             for with_lpa3 in (False, True):
                 name = f"{source}_{labels}_{'fixmatch_lpa3' if with_lpa3 else 'fixmatch'}"
@@ -98,20 +112,21 @@ def main() -> None:
                 written.append((name, _yaml(name, source=source, arch=arch, classes=classes, channels=channels, wd=wd,
                                             labels=labels, batch=64, max_steps=2**20,
                                             sigma=sigma if with_lpa3 else None, root="data", download=True,
-                                            note=note)))
-    for source, (arch, classes, channels, sigma, counts, batch, steps) in CPU.items():
-        root = None if source == "mnist5k" else "../shared/data/medmnist"
+                                            note=note, warmup=warmup_passes(AUTHORS_WARMUP_STEPS, unlabeled, 64))))
+    for source, (arch, classes, channels, sigma, counts, batch, steps, unlabeled) in CPU.items():
+        root = None if source == "mnist5k" else "data/medmnist"
+        warmup = warmup_passes(steps * AUTHORS_WARMUP_STEPS / AUTHORS_TOTAL_STEPS, unlabeled, batch)
         for labels in counts:
             for with_lpa3 in (False, True):
                 name = f"{source}_{labels}_{'fixmatch_lpa3' if with_lpa3 else 'fixmatch'}"
                 note = (f"CPU row: {source} with {labels} labels, FixMatch{' + LP-A3' if with_lpa3 else ''} "
                         f"({arch}, {steps} steps of batch {batch} + 7 x {batch} unlabeled)"
                         + ("; MNIST-5k ships in the package" if source == "mnist5k" else
-                           "; set --data.init_args.root to the folder holding pneumoniamnist.npz"))
+                           "; --data.init_args.root: the folder holding pneumoniamnist.npz"))
                 written.append((name, _yaml(name, source=source, arch=arch, classes=classes, channels=channels,
                                             wd=5e-4, labels=labels, batch=batch, max_steps=steps,
                                             sigma=sigma if with_lpa3 else None, root=root, download=False,
-                                            note=note)))
+                                            note=note, warmup=warmup)))
     for name, text in written:
         (HERE / f"{name}.yaml").write_text(text)
     print(f"wrote {len(written)} configs to {HERE}")

@@ -26,8 +26,9 @@ import json
 import math
 import operator
 import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -36,7 +37,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from medmnist.info import INFO
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 from torchvision import transforms
 
 from lpa3_lightning.data.indexed import IndexedDataset, to_class_label
@@ -579,6 +580,27 @@ def _torchvision_not_found(source: str, root: Path, missing: list[Path]) -> File
     )
 
 
+class RandomStream(Sampler[int]):
+    """``num_samples`` random indices of a data set of ``size`` items (back-to-back
+    permutations, or draws with replacement).
+
+    A plain ``Sampler`` on purpose: under DDP Lightning replaces a ``RandomSampler`` with a
+    ``DistributedSampler`` over the data set (dropping ``num_samples`` and ``replacement``, so
+    a few labels would give a rank no labeled batch at all), but splits any other sampler's
+    stream across the processes (``DistributedSamplerWrapper``), which keeps both streams of
+    equal length on every rank.
+    """
+
+    def __init__(self, size: int, num_samples: int, replacement: bool = False) -> None:
+        self.inner = RandomSampler(range(size), replacement=replacement, num_samples=num_samples)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
 class SemiSupervisedDataModule(pl.LightningDataModule):
     """FixMatch-style loaders: a labeled and an unlabeled stream per training step, plus val/test.
 
@@ -939,10 +961,10 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         steps, unlabeled_batch = self.num_steps_per_epoch, self.mu * self.batch_size
         # Without replacement but num_samples may exceed the set: back-to-back permutations.
         unlabeled = self._loader(self.unlabeled_dataset, unlabeled_batch, drop_last=True,
-                                 sampler=RandomSampler(self.unlabeled_dataset, num_samples=steps * unlabeled_batch))
+                                 sampler=RandomStream(len(self.unlabeled_dataset), steps * unlabeled_batch))
         labeled = self._loader(self.labeled_dataset, self.batch_size, drop_last=True,
-                               sampler=RandomSampler(self.labeled_dataset, replacement=True,
-                                                     num_samples=steps * self.batch_size))
+                               sampler=RandomStream(len(self.labeled_dataset), steps * self.batch_size,
+                                                    replacement=True))
         return CombinedLoader({"labeled": labeled, "unlabeled": unlabeled}, mode="max_size_cycle")
 
     def val_dataloader(self) -> DataLoader:
@@ -1019,5 +1041,6 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             + (f" / split_file={self.split_file}" if self.split_file is not None else "") + "."
         )
         self._labeled_indices = indices
-        assert self.train_base is not None
+        if self.train_base is None:
+            raise RuntimeError("The training data is not built yet; call setup('fit') before applying a labeled split.")
         self.labeled_dataset = LabeledDataset(self.train_base, indices, self.weak_transform())

@@ -111,7 +111,8 @@ class LPA3ModuleMixin:
         """Logits of the hard positives for the loss, in the forward the solver verified.
 
         Uses :func:`~lpa3_lightning.augmented_forward.augmented_logits` with the batch's BN
-        mode and frozen twin statistics and :attr:`lpa3_train_forward`; the logits are
+        mode, the clean selected samples (twins: reference-batch normalisation) or the
+        running-statistics snapshot, and :attr:`lpa3_train_forward`; the logits are
         handed to the callback, which measures ``lpa3/label_preserved`` in this very forward.
         """
         logits = augmented_logits(

@@ -15,7 +15,11 @@ One weak forward per step: :meth:`FixMatchLPA3Mixin.lpa3_request` (called by the
 ``on_train_batch_start``) forwards the weak view once, without gradient and in train mode (as
 FixMatch's own weak branch, whose logits it detaches), and keeps the logits for this batch;
 ``training_step`` reuses them for the pseudo-labels, their confidences and the TCS record.
-Without the callback the step makes that forward itself. Because the pseudo-labels are fixed
+Without the callback the step makes that forward itself. Departure from FixMatch's reference
+code, which forwards the labeled, weak and strong views in one batch: here the pseudo-labels
+must exist before the step (the callback attacks with them), so the weak view is forwarded on
+its own, normalised by its own batch statistics, without moving the BatchNorm running
+statistics (those move once a step, in the forward of the labeled and strong views). Because the pseudo-labels are fixed
 before the attack, the label the solver preserves is exactly the one the loss trains ``x'``
 with, in the forward the solver verified (:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`).
 """
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.mixins.base import LPA3ModuleMixin
@@ -73,8 +78,10 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         lpa3_confidence_threshold: the authors' second threshold: an ``x'`` trains only where its
             pseudo-label's confidence is at least this (0.9).
         lpa3_weight: weight of the LP-A3 term (1).
-        lpa3_loss_warmup_epochs: epochs before the LP-A3 term counts (the authors: 5). The callback's
-            own ``warmup_epochs`` decides when the attack runs; the authors attack during this
+        lpa3_loss_warmup_epochs: epochs (passes over the unlabeled set) before the LP-A3 term
+            counts. The authors' code adds it once more than 5 of its 1024-step epochs have
+            passed (``configs/ssl/`` converts that to passes). The callback's own
+            ``warmup_epochs`` decides when the attack runs; the authors attack during this
             warm-up too (set the callback's ``warmup_epochs`` to the same value to save that cost).
         lpa3_num_samples: size of the unlabeled set (the TCS memory's), e.g. the datamodule's
             ``num_unlabeled``; the callback reads it when its ``num_samples`` is None.
@@ -102,14 +109,26 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         """Detached logits of the weak unlabeled view: forwarded once per batch, then reused.
 
         The forward runs in the module's mode (train) without gradient, like FixMatch's weak
-        branch (its BatchNorm statistics move as they would there).
+        branch, with BatchNorm on the weak batch's statistics; the running statistics are left
+        as they were (they move once a step, in the labeled + strong forward).
         """
         _, _, _, x_weak, _, _ = split_semi_supervised_batch(batch)
         cached = self._fixmatch_weak
         if cached is not None and cached[0] is x_weak:
             return cached[1]
-        with torch.no_grad():
-            logits = self.lpa3_logits(self.lpa3_model()(x_weak)).detach()
+        model = self.lpa3_model()
+        norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+        saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+        try:
+            for m in norms:
+                m.momentum = 0.0  # running = (1 - 0) * running: unchanged
+            with torch.no_grad():
+                logits = self.lpa3_logits(model(x_weak)).detach()
+        finally:
+            for m, (momentum, tracked) in zip(norms, saved):
+                m.momentum = momentum
+                if tracked is not None:
+                    m.num_batches_tracked.copy_(tracked)
         self._fixmatch_weak = (x_weak, logits)
         return logits
 
@@ -127,12 +146,16 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
             ``num_augmented`` and ``lpa3_kept_rate`` (share of ``x'`` above the second threshold).
         """
         x, y, _, x_weak, x_strong, idx_u = split_semi_supervised_batch(batch)
+        classes = self.lpa3_num_classes
+        if y.numel() and classes is not None and (int(y.min()) < 0 or int(y.max()) >= classes):
+            raise ValueError(f"Labels out of range: the labeled batch holds values in [{int(y.min())}, {int(y.max())}] "
+                             f"for {classes} classes (lpa3_num_classes). Fix: use class indices 0..{classes - 1}.")
         model = self.lpa3_model()
         weak_logits = self.fixmatch_weak_logits(batch)
         self._fixmatch_weak = None  # this batch's logits are used up
         self.lpa3_record_predictions(idx_u, weak_logits)  # TCS runs over the unlabeled set
         confidence, pseudo = self._pseudo_labels(weak_logits)
-        # one forward of the labeled and strong views together, as FixMatch does (shared BN statistics)
+        # one forward of the labeled and strong views together (FixMatch also adds the weak view)
         logits = self.lpa3_logits(model(torch.cat([x, x_strong])))
         logits_l, logits_s = logits[: x.shape[0]], logits[x.shape[0]:]
         loss_l = F.cross_entropy(logits_l, y)

@@ -122,11 +122,11 @@ class Recording(LPA3Callback):
             del self.tcs.update
 
     def _select(self, request, epoch):
-        mask = super()._select(request, epoch)
+        mask, tcs_selected = super()._select(request, epoch)
         if self.empty_rank is not None and self._rank == self.empty_rank:
             mask = torch.zeros_like(mask)
         self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
-        return mask
+        return mask, tcs_selected
 
     def on_train_start(self, trainer, pl_module):
         self._rank = trainer.global_rank
