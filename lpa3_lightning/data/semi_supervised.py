@@ -6,11 +6,9 @@ and the whole training set without its labels, seen through a weak and a *strong
 (weak + RandAugment + Cutout). The model's confident prediction on the weak view becomes the
 pseudo-label of the strong one. This module provides the pieces:
 
-* :func:`stratified_label_split` draws the labeled subset (equal per class, seeded), and
-  :func:`save_label_split` / :func:`load_label_split` keep it in a small JSON file so a
-  run can be reproduced or compared against another method on the same labels;
-* :func:`weak_transform`, :func:`strong_transform` (with :class:`Cutout`) and
-  :func:`eval_transform` build the views, for 1-channel and 3-channel images;
+* :mod:`lpa3_lightning.data.label_split` draws the labeled subset (equal per class, seeded)
+  and keeps it in a small JSON file;
+* :mod:`lpa3_lightning.data.ssl_transforms` builds the weak, strong and evaluation views;
 * :class:`LabeledDataset` and :class:`UnlabeledDataset` return ``(x, y, index)`` and
   ``(x_weak, x_strong, index)``, ``index`` being the position in the whole training set
   (LP-A3 keeps per-sample state keyed by it);
@@ -22,7 +20,6 @@ Written from the FixMatch paper's description, not from its code.
 
 from __future__ import annotations
 
-import json
 import math
 import operator
 import os
@@ -41,6 +38,14 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 from torchvision import transforms
 
 from lpa3_lightning.data.indexed import IndexedDataset, to_class_label
+from lpa3_lightning.data.label_split import (
+    check_int,
+    check_num_labels,
+    load_label_split,
+    save_label_split,
+    stratified_label_split,
+)
+from lpa3_lightning.data.ssl_transforms import Cutout, eval_transform, strong_transform, weak_transform
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, SUPPORTED_FLAGS, MedMNISTDataModule
 
 __all__ = [
@@ -86,313 +91,8 @@ _SOURCE_FACTS: dict[str, dict[str, Any]] = {
               "mean": (0.4409, 0.4279, 0.3868), "std": (0.2683, 0.2610, 0.2687), "flip": True},
 }
 
-# Translation of the weak view: up to 12.5% of the side (FixMatch: 4 px of 32).
-_TRANSLATE_FRACTION = 0.125
-_SPLIT_FORMAT = "lpa3-label-split"
-_SPLIT_VERSION = 1
-_MAX_RANDAUGMENT_MAGNITUDE = 30
 
 
-# ----------------------------------------------------------------------------------------
-# Argument checks
-# ----------------------------------------------------------------------------------------
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
-    # bool is an int subclass; True as a count is a bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}. Fix: {fix}")
-
-
-def _check_num_labels(num_labels: Any, num_classes: int) -> None:
-    _check_int("num_labels", num_labels, 1, f"pass a positive multiple of the {num_classes} classes, e.g. "
-               f"num_labels={4 * num_classes} (4 labels per class).")
-    if num_labels < num_classes or num_labels % num_classes:
-        lower = (num_labels // num_classes) * num_classes
-        options = [n for n in (lower, lower + num_classes) if n >= num_classes]
-        raise ValueError(
-            f"`num_labels` must be a multiple of the number of classes ({num_classes}) and at least "
-            f"{num_classes}: the labeled subset takes num_labels / num_classes images of every class "
-            f"(FixMatch's convention), got num_labels={num_labels}. "
-            f"Fix: pass num_labels={' or '.join(str(n) for n in options)}."
-        )
-
-
-# ----------------------------------------------------------------------------------------
-# Label split
-# ----------------------------------------------------------------------------------------
-def stratified_label_split(labels: np.ndarray | torch.Tensor, num_labels: int, num_classes: int,
-                           seed: int) -> np.ndarray:
-    """Dataset indices of a labeled subset with the same number of samples in every class.
-
-    Every class gives ``num_labels // num_classes`` samples, drawn without replacement by a
-    ``numpy.random.default_rng(seed)`` generator (classes in order 0, 1, ...), so the same
-    labels, sizes and seed always give the same subset.
-
-    Args:
-        labels: ``(N,)`` integer class labels in ``[0, num_classes)`` of the whole training set.
-        num_labels: size of the subset; a multiple of ``num_classes``, at least ``num_classes``.
-        num_classes: number of classes.
-        seed: non-negative seed of the draw.
-
-    Returns:
-        Sorted ``int64`` array of ``num_labels`` distinct positions in ``labels``.
-
-    Raises:
-        ValueError: if ``num_labels`` is not a positive multiple of ``num_classes``, a class has
-            fewer samples than its share, ``labels`` is not 1-D integer data in range, or
-            ``seed`` is negative.
-
-    Example:
-        >>> y = np.repeat(np.arange(3), 5)
-        >>> idx = stratified_label_split(y, num_labels=6, num_classes=3, seed=0)
-        >>> np.bincount(y[idx]).tolist()
-        [2, 2, 2]
-    """
-    y = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
-    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.size == 0):
-        raise ValueError(f"`labels` must be a 1-D array of integer class labels, got shape {y.shape} and dtype "
-                         f"{y.dtype}. Fix: pass the training set's labels as integers, e.g. labels.reshape(-1).")
-    _check_int("num_classes", num_classes, 1, "pass the number of classes of the data set, e.g. 10.")
-    _check_num_labels(num_labels, int(num_classes))
-    _check_int("seed", seed, 0, "pass a non-negative integer seed, e.g. 0.")
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-        raise ValueError(f"`labels` must lie in [0, num_classes={num_classes}), got values in [{y.min()}, {y.max()}]. "
-                         "Fix: pass the matching num_classes, or leave unlabeled samples (-1) out of `labels`.")
-    per_class = num_labels // num_classes
-    counts = np.bincount(y, minlength=num_classes)
-    if counts.min() < per_class:
-        poorest = int(counts.argmin())
-        raise ValueError(
-            f"`num_labels`={num_labels} needs {per_class} samples of every class, but class {poorest} has only "
-            f"{counts[poorest]}. Fix: pass num_labels <= {int(counts.min()) * num_classes}."
-        )
-    rng = np.random.default_rng(seed)
-    chosen = [rng.choice(np.flatnonzero(y == c), size=per_class, replace=False) for c in range(num_classes)]
-    return np.sort(np.concatenate(chosen)).astype(np.int64)
-
-
-def save_label_split(path: str | os.PathLike, indices: np.ndarray | Sequence[int],
-                     meta: Mapping[str, Any]) -> Path:
-    """Writes a labeled subset to a small JSON file (atomically: a reader never sees half a file).
-
-    Args:
-        path: file to write; missing parent folders are created.
-        indices: positions of the labeled samples in the training set.
-        meta: JSON-serialisable facts about the split, by convention ``source``, ``num_labels``,
-            ``seed``, ``dataset_size`` and ``num_classes`` (what :func:`load_label_split` can check).
-
-    Returns:
-        The path written.
-
-    Raises:
-        ValueError: if ``indices`` are not non-negative integers, or ``meta`` does not serialise.
-
-    Example:
-        >>> import tempfile
-        >>> f = Path(tempfile.mkdtemp()) / "split.json"
-        >>> _ = save_label_split(f, [3, 1], {"source": "mnist5k", "dataset_size": 4000})
-        >>> load_label_split(f)[0].tolist()
-        [1, 3]
-    """
-    idx = np.asarray(indices)
-    if idx.ndim != 1 or (idx.size and (not np.issubdtype(idx.dtype, np.integer) or idx.min() < 0)):
-        raise ValueError(f"`indices` must be a 1-D sequence of non-negative integers, got {idx.dtype} of shape "
-                         f"{idx.shape}. Fix: pass the positions returned by stratified_label_split.")
-    payload = {"format": _SPLIT_FORMAT, "version": _SPLIT_VERSION, "meta": dict(meta),
-               "indices": sorted(int(i) for i in idx)}
-    try:
-        text = json.dumps(payload, indent=1)
-    except TypeError as err:
-        raise ValueError(f"`meta` must hold JSON values (str, int, float, bool, lists): {err}. "
-                         "Fix: convert numpy scalars with int()/float().") from None
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
-
-
-def load_label_split(path: str | os.PathLike,
-                     expected: Mapping[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """Reads a labeled subset written by :func:`save_label_split`.
-
-    Args:
-        path: the JSON file.
-        expected: meta entries the file must carry with these values (e.g. ``source`` and
-            ``dataset_size``), so that a split of another data set is never applied silently.
-
-    Returns:
-        ``(indices, meta)``: the sorted ``int64`` positions and the file's meta dict.
-
-    Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: if it is not a label-split file, its meta disagrees with ``expected``, or
-            its indices do not fit its ``dataset_size`` (each message names the path and the fix).
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"Label split file not found: {path}. Fix: pass the path of a file written by "
-                                "save_label_split (SemiSupervisedDataModule writes it when split_file is missing).")
-    fix_other = "Fix: pass split_file= another path (it is written there when missing), or delete this file."
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not a readable label split file ({err}). {fix_other}") from None
-    if (not isinstance(payload, dict) or payload.get("format") != _SPLIT_FORMAT
-            or not isinstance(payload.get("indices"), list) or not isinstance(payload.get("meta"), dict)):
-        raise ValueError(f"{path} is not a label split file (no '{_SPLIT_FORMAT}' format with 'indices' and "
-                         f"'meta'). {fix_other}")
-    if payload.get("version") != _SPLIT_VERSION:
-        raise ValueError(f"{path} has label-split format version {payload.get('version')!r}; this version reads "
-                         f"{_SPLIT_VERSION}. {fix_other}")
-    meta: dict[str, Any] = payload["meta"]
-    for key, want in (expected or {}).items():
-        if meta.get(key) != want:
-            raise ValueError(
-                f"Label split file {path} was written for {key}={meta.get(key)!r}, not {key}={want!r} "
-                f"(file: source={meta.get('source')!r}, dataset_size={meta.get('dataset_size')!r}, "
-                f"num_labels={meta.get('num_labels')!r}). {fix_other}"
-            )
-    raw = payload["indices"]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in raw):
-        raise ValueError(f"{path}: 'indices' must be non-negative integers. {fix_other}")
-    indices = np.asarray(sorted(raw), dtype=np.int64)
-    if len(np.unique(indices)) != len(indices):
-        raise ValueError(f"{path}: 'indices' holds duplicates. {fix_other}")
-    size = meta.get("dataset_size")
-    if isinstance(size, int) and indices.size and indices[-1] >= size:
-        raise ValueError(f"{path}: index {int(indices[-1])} is out of range for dataset_size={size}. {fix_other}")
-    return indices, meta
-
-
-# ----------------------------------------------------------------------------------------
-# Transforms
-# ----------------------------------------------------------------------------------------
-class Cutout:
-    """FixMatch's Cutout: one gray square of side up to ``max_fraction`` of the image, on a PIL image.
-
-    The side is ``ceil(u * max_fraction * min(width, height))`` with ``u ~ U[0, 1)``; the
-    centre is uniform over the image and the square is clipped at the borders. Random numbers
-    come from ``torch`` so that data loader workers are seeded by PyTorch.
-
-    Args:
-        max_fraction: largest side as a fraction of the image side, in ``(0, 1]`` (paper: 0.5).
-        fill: gray level in ``[0, 255]`` written into every channel (paper: gray, 127).
-
-    Example:
-        >>> img = Image.new("L", (28, 28), color=0)
-        >>> out = Cutout(0.5)(img)
-        >>> out.size
-        (28, 28)
-    """
-
-    def __init__(self, max_fraction: float = 0.5, fill: int = 127) -> None:
-        if not 0.0 < float(max_fraction) <= 1.0:
-            raise ValueError(f"`max_fraction` must be in (0, 1], got {max_fraction}. Fix: use 0.5 (FixMatch).")
-        _check_int("fill", fill, 0, "pass a gray level in [0, 255], e.g. 127.")
-        if fill > 255:
-            raise ValueError(f"`fill` must be in [0, 255], got {fill}. Fix: pass 127 (mid gray).")
-        self.max_fraction = float(max_fraction)
-        self.fill = int(fill)
-
-    def __call__(self, img: Image.Image) -> Image.Image:
-        if not isinstance(img, Image.Image):
-            raise TypeError(f"Cutout works on PIL images (before ToTensor), got {type(img).__name__}.")
-        width, height = img.size
-        side = math.ceil(float(torch.rand(())) * self.max_fraction * min(width, height))
-        if side <= 0:
-            return img
-        cx, cy = int(torch.randint(width, ())), int(torch.randint(height, ()))
-        x0, y0 = max(cx - side // 2, 0), max(cy - side // 2, 0)
-        x1, y1 = min(cx - side // 2 + side, width), min(cy - side // 2 + side, height)
-        pixels = np.array(img)
-        pixels[y0:y1, x0:x1] = self.fill
-        return Image.fromarray(pixels)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(max_fraction={self.max_fraction}, fill={self.fill})"
-
-
-def _weak_ops(image_size: int, flip: bool) -> list[Callable[[Any], Any]]:
-    _check_int("image_size", image_size, 1, "pass the side of the (square) images, e.g. 28 or 32.")
-    padding = int(image_size * _TRANSLATE_FRACTION + 0.5)
-    ops: list[Callable[[Any], Any]] = [transforms.RandomHorizontalFlip()] if flip else []
-    ops.append(transforms.RandomCrop(image_size, padding=padding, padding_mode="reflect"))
-    return ops
-
-
-def _normalize_ops(mean: Sequence[float], std: Sequence[float]) -> list[Callable[[Any], Any]]:
-    if len(mean) != len(std) or not len(mean) or any(s <= 0 for s in std):
-        raise ValueError(f"`mean` and `std` must be per-channel sequences of the same length with std > 0, got "
-                         f"mean={list(mean)}, std={list(std)}. Fix: pass e.g. mean=[0.5], std=[0.5].")
-    return [transforms.ToTensor(), transforms.Normalize(mean=list(mean), std=list(std))]
-
-
-def weak_transform(mean: Sequence[float], std: Sequence[float], image_size: int,
-                   flip: bool = True) -> transforms.Compose:
-    """FixMatch's weak view: random horizontal flip, random translation, then normalisation.
-
-    The translation is a ``RandomCrop`` of the original side from the image padded by 12.5%
-    of the side with reflection (4 px at 32, 4 px at 28, 12 px at 96).
-
-    Args:
-        mean: per-channel mean of [0, 1] pixels (1 value for grayscale, 3 for RGB).
-        std: per-channel standard deviation.
-        image_size: side of the square input images.
-        flip: random horizontal flip (turn off for digits and for labels that name a side).
-
-    Returns:
-        A transform from a PIL image to a normalised float tensor ``(C, H, W)``.
-
-    Example:
-        >>> t = weak_transform([0.5], [0.5], 28, flip=False)
-        >>> tuple(t(Image.new("L", (28, 28))).shape)
-        (1, 28, 28)
-    """
-    return transforms.Compose([*_weak_ops(image_size, flip), *_normalize_ops(mean, std)])
-
-
-def strong_transform(mean: Sequence[float], std: Sequence[float], image_size: int, flip: bool = True,
-                     num_ops: int = 2, magnitude: int = 10, cutout: float = 0.5) -> transforms.Compose:
-    """FixMatch's strong view: the weak view, ``RandAugment``, ``Cutout``, then normalisation.
-
-    Args:
-        mean: per-channel mean of [0, 1] pixels.
-        std: per-channel standard deviation.
-        image_size: side of the square input images.
-        flip: random horizontal flip as in :func:`weak_transform`.
-        num_ops: RandAugment operations per image (FixMatch: 2).
-        magnitude: RandAugment magnitude in ``[0, 30]`` (10 here, torchvision's scale).
-        cutout: largest Cutout side as a fraction of the image side (FixMatch: 0.5).
-
-    Returns:
-        A transform from a PIL image (``L`` or ``RGB``) to a normalised float tensor.
-
-    Example:
-        >>> t = strong_transform([0.5] * 3, [0.5] * 3, 32)
-        >>> tuple(t(Image.new("RGB", (32, 32))).shape)
-        (3, 32, 32)
-    """
-    _check_int("num_ops", num_ops, 0, "pass the number of RandAugment operations, e.g. 2.")
-    _check_int("magnitude", magnitude, 0, "pass a RandAugment magnitude in [0, 30], e.g. 10.")
-    if magnitude > _MAX_RANDAUGMENT_MAGNITUDE:
-        raise ValueError(f"`magnitude` must be in [0, {_MAX_RANDAUGMENT_MAGNITUDE}], got {magnitude}. Fix: use 10.")
-    return transforms.Compose([
-        *_weak_ops(image_size, flip),
-        transforms.RandAugment(num_ops=num_ops, magnitude=magnitude),
-        Cutout(cutout),
-        *_normalize_ops(mean, std),
-    ])
-
-
-def eval_transform(mean: Sequence[float], std: Sequence[float]) -> transforms.Compose:
-    """Evaluation view: ``ToTensor`` and ``Normalize`` only.
-
-    Example:
-        >>> float(eval_transform([0.5], [0.5])(Image.new("L", (2, 2), color=255)).max())
-        1.0
-    """
-    return transforms.Compose(_normalize_ops(mean, std))
 
 
 # ----------------------------------------------------------------------------------------
@@ -698,14 +398,14 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             raise ValueError(f"`split_file` must be a file path or None, got {type(split_file).__name__}. "
                              "Fix: pass a str such as 'splits/mnist5k_40_seed0.json'.")
         facts = self._facts(source)
-        _check_num_labels(num_labels, facts["num_classes"])
-        _check_int("seed", seed, 0, "pass a non-negative integer seed, e.g. 0.")
-        _check_int("batch_size", batch_size, 1, "pass the labeled batch size, e.g. batch_size=64.")
-        _check_int("mu", mu, 1, "pass the unlabeled-to-labeled batch ratio, e.g. mu=7 (FixMatch).")
-        _check_int("eval_batch_size", eval_batch_size, 1, "pass a positive batch size, e.g. 256.")
-        _check_int("num_workers", num_workers, 0, "use 0 to load data in the main process.")
+        check_num_labels(num_labels, facts["num_classes"])
+        check_int("seed", seed, 0, "pass a non-negative integer seed, e.g. 0.")
+        check_int("batch_size", batch_size, 1, "pass the labeled batch size, e.g. batch_size=64.")
+        check_int("mu", mu, 1, "pass the unlabeled-to-labeled batch ratio, e.g. mu=7 (FixMatch).")
+        check_int("eval_batch_size", eval_batch_size, 1, "pass a positive batch size, e.g. 256.")
+        check_int("num_workers", num_workers, 0, "use 0 to load data in the main process.")
         if steps_per_epoch is not None:
-            _check_int("steps_per_epoch", steps_per_epoch, 1,
+            check_int("steps_per_epoch", steps_per_epoch, 1,
                        "pass a positive number of steps, or None for one pass over the unlabeled set.")
         if not isinstance(download, bool):
             raise ValueError(f"`download` must be a bool, got {download!r}. Fix: pass True or False.")
