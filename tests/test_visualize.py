@@ -33,13 +33,14 @@ def test_grid_rows_are_clean_augmented_and_stretched_difference():
 
 
 def test_without_normalization_an_unchanged_image_has_a_zero_difference_row():
-    x = torch.rand(3, 1, 6, 6) * 4 - 2
+    x = torch.rand(3, 1, 6, 6, generator=torch.Generator().manual_seed(0)) * 4 - 2
     x_adv = x.clone()
     x_adv[1] += 0.5  # only image 1 changes
     grid = comparison_grid(x, x_adv, padding=0)
     diff_row = grid[0, 12:18]
     assert float(diff_row[:, 0:6].max()) == 0.0 and float(diff_row[:, 12:18].max()) == 0.0
-    assert float(diff_row[:, 6:12].min()) == pytest.approx(1.0)
+    # A uniform shift is a uniform difference; float32 rescaling leaves a few ulps per pixel.
+    assert float(diff_row[:, 6:12].min()) == pytest.approx(1.0, abs=1e-5)
     assert torch.equal(grid[0, 0:6, 0:6], grid[0, 6:12, 0:6])  # same grey for the unchanged image
 
 
