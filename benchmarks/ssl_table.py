@@ -28,12 +28,13 @@ sys.path.insert(0, str(ROOT))
 METHODS = ("fixmatch", "fixmatch_lpa3")
 
 
-def result_path(out: Path, source: str, labels: int, method: str, seed: int, steps: int) -> Path:
-    return out / f"{source}_{labels}_{method}_s{steps}_seed{seed}.json"
+def result_path(out: Path, source: str, labels: int, method: str, seed: int, steps: int, regenerate: int) -> Path:
+    cache = f"_k{regenerate}" if method == "fixmatch_lpa3" and regenerate != 1 else ""
+    return out / f"{source}_{labels}_{method}{cache}_s{steps}_seed{seed}.json"
 
 
 def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every: int, out: Path, root: str | None,
-        lpa3_warmup: int, regenerate: int) -> dict:
+        lpa3_warmup: int, regenerate: int, num_workers: int = 0) -> dict:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
@@ -41,12 +42,12 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     from lpa3_lightning import FixMatchClassifier, LPA3Callback
     from lpa3_lightning.data import SemiSupervisedDataModule
 
-    path = result_path(out, source, labels, method, seed, steps)
+    path = result_path(out, source, labels, method, seed, steps, regenerate)
     if path.exists():
         return json.loads(path.read_text())
     pl.seed_everything(seed)
     data = SemiSupervisedDataModule(source, root=root, num_labels=labels, seed=seed, batch_size=32, mu=7,
-                                    eval_batch_size=500)
+                                    eval_batch_size=500, num_workers=num_workers)
     data.setup("fit")
     data.setup("test")
     module = FixMatchClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
@@ -67,15 +68,23 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
             self.seconds += time.perf_counter() - self._start
             step = trainer.global_step
             if step % eval_every == 0 or step == steps:
-                model = ema._average_model.module.model if ema._average_model is not None else pl_module.model
-                model.eval()
-                correct = total = 0
-                with torch.no_grad():
-                    for x, y, _ in data.test_dataloader():
-                        correct += int((model(x).argmax(1) == y).sum())
-                        total += len(y)
-                model.train()
-                self.rows.append({"step": step, "train_seconds": self.seconds, "test_acc": correct / total})
+                ema_model = ema._average_model.module.model if ema._average_model is not None else pl_module.model
+                # the EMA weights (what FixMatch reports) and the raw weights (informative on
+                # short runs, where an EMA of 0.999 still carries the first steps' weights)
+                self.rows.append({"step": step, "train_seconds": self.seconds, "test_acc": self._accuracy(ema_model),
+                                  "raw_test_acc": self._accuracy(pl_module.model)})
+
+        @staticmethod
+        def _accuracy(model: torch.nn.Module) -> float:
+            was_training = model.training
+            model.eval()
+            correct = total = 0
+            with torch.no_grad():
+                for x, y, _ in data.test_dataloader():
+                    correct += int((model(x).argmax(1) == y).sum())
+                    total += len(y)
+            model.train(was_training)
+            return correct / total
 
     curve = Curve()
     # the curve callback first: its timer includes the LP-A3 callback's work in on_train_batch_start
@@ -90,7 +99,8 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     result = {"source": source, "labels": labels, "method": method, "seed": seed, "steps": steps,
               "final_test_acc": curve.rows[-1]["test_acc"], "wall_seconds": curve.seconds, "curve": curve.rows,
               "steps_per_epoch": data.num_steps_per_epoch, "lpa3_warmup_epochs": lpa3_warmup,
-              "regenerate_every_n_epochs": regenerate}
+              "regenerate_every_n_epochs": regenerate, "final_raw_test_acc": curve.rows[-1]["raw_test_acc"],
+              "num_workers": num_workers}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
@@ -102,14 +112,15 @@ def _ms(values: list[float]) -> str:
 
 
 def summarize(results: list[dict]) -> str:
-    lines = ["| data set | labels | method | EMA test acc (final) | train wall s (per run) | seeds | steps |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| data set | labels | method | EMA test acc (final) | raw-weights test acc (final) | train wall s (per run) "
+             "| seeds | steps |", "|---|---|---|---|---|---|---|---|"]
     notes = []
     for source, labels in sorted({(r["source"], r["labels"]) for r in results}):
         for method in METHODS:
             rs = [r for r in results if (r["source"], r["labels"], r["method"]) == (source, labels, method)]
             if rs:
                 lines.append(f"| {source} | {labels} | {method} | {_ms([r['final_test_acc'] for r in rs])} | "
+                             f"{_ms([r['final_raw_test_acc'] for r in rs])} | "
                              f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['steps']} |")
         for seed in sorted({r["seed"] for r in results if (r["source"], r["labels"]) == (source, labels)}):
             pair = {r["method"]: r for r in results if (r["source"], r["labels"], r["seed"]) == (source, labels, seed)}
@@ -135,6 +146,7 @@ def main() -> None:
                         help="passes over the unlabeled set before the LP-A3 term counts (2.3%% of 1000 steps, "
                              "the authors' share of their run)")
     parser.add_argument("--regenerate", type=int, default=1, help="regenerate_every_n_epochs (K) of the callback")
+    parser.add_argument("--num-workers", type=int, default=0, help="data loader workers of each run")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ssl_runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
@@ -148,16 +160,16 @@ def main() -> None:
     if args.worker:
         source, labels, method, seed = args.worker
         run(source, int(labels), method, int(seed), args.steps, args.eval_every, args.out, args.root,
-            args.lpa3_warmup, args.regenerate)
+            args.lpa3_warmup, args.regenerate, args.num_workers)
         return
     todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
     running: list[subprocess.Popen] = []
     for source, labels, method, seed in todo:
-        if result_path(args.out, source, labels, method, seed, args.steps).exists():
+        if result_path(args.out, source, labels, method, seed, args.steps, args.regenerate).exists():
             continue
         cmd = [sys.executable, __file__, "--worker", source, str(labels), method, str(seed), "--steps",
                str(args.steps), "--eval-every", str(args.eval_every), "--lpa3-warmup", str(args.lpa3_warmup),
-               "--regenerate", str(args.regenerate), "--out", str(args.out)]
+               "--regenerate", str(args.regenerate), "--out", str(args.out), "--num-workers", str(args.num_workers)]
         cmd += ["--root", args.root] if args.root else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
         running.append(subprocess.Popen(cmd, cwd=ROOT))
@@ -167,7 +179,8 @@ def main() -> None:
     for p in running:
         p.wait()
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
-    results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources]
+    results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources
+               and (r["method"] == "fixmatch" or r["regenerate_every_n_epochs"] == args.regenerate)]
     print(summarize(results))
 
 

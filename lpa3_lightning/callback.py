@@ -22,6 +22,7 @@ from lpa3_lightning.attack import (
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.augmented_forward import running_statistics
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
+from lpa3_lightning.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
 from lpa3_lightning.dual_bn import DualSyncBatchNorm, anchor_twin_parameters, has_dual_bn
 from lpa3_lightning.features import resolve_layers, unwrap_compiled
@@ -488,30 +489,14 @@ class LPA3Callback(Callback):
         if not isinstance(request, LPA3Request):
             raise TypeError(f"`lpa3_request` must return an LPA3Request, got {type(request).__name__}.")
         n = request.inputs.shape[0]
-        if request.indices.is_floating_point() or request.indices.dtype == torch.bool:
-            raise ValueError(f"LPA3Request indices must be integer dataset indices, got {request.indices.dtype}. Fix: "
-                             "make the dataset return its index with each item (`lpa3_lightning.data.IndexedDataset`).")
-        if n and (int(request.indices.min()) < 0 or int(request.indices.max()) >= num_samples):
-            raise ValueError(
-                f"Dataset indices out of range: got values in [{int(request.indices.min())}, "
-                f"{int(request.indices.max())}] for a training set of {num_samples} samples. Fix: pass indices of the "
-                "training set itself (not of a subset or a concatenation), or `num_samples=` equal to its length."
-            )
         if request.targets.shape != (n,) or request.indices.shape != (n,):
             raise ValueError(
                 f"LPA3Request needs targets and indices of shape ({n},) for {n} inputs, got "
                 f"{tuple(request.targets.shape)} and {tuple(request.indices.shape)}. Fix: return one label and one "
                 "dataset index per sample."
             )
-        if request.targets.is_floating_point() or request.targets.dtype == torch.bool:
-            raise ValueError(f"LPA3Request targets must be integer class indices, got {request.targets.dtype}. "
-                             "Fix: return labels as a long tensor (not one-hot or float).")
-        if n and (int(request.targets.min()) < 0 or int(request.targets.max()) >= num_classes):
-            raise ValueError(
-                f"Labels out of range: got values in [{int(request.targets.min())}, {int(request.targets.max())}] "
-                f"for {num_classes} classes (lpa3_num_classes). Fix: use class indices 0..{num_classes - 1}, or set "
-                "lpa3_num_classes to the number of classes."
-            )
+        check_dataset_indices(request.indices, num_samples, name="LPA3Request.indices")
+        check_class_labels(request.targets, num_classes, name="LPA3Request.targets")
 
     def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
                  mask: Tensor) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:

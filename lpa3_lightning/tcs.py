@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lpa3_lightning.checks import check_dataset_indices
 from lpa3_lightning.selection import (
     check_initial_selection,
     check_ratio,
@@ -166,18 +167,7 @@ class TimeConsistency:
         return self.memory.device
 
     def _check_indices(self, indices: Tensor) -> Tensor:
-        if (not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point
-                or indices.dtype == torch.bool):
-            raise ValueError(
-                "`indices` must be a 1-D integer tensor of dataset indices. Fix: make the dataset return "
-                "its index with each item (e.g. wrap it in `lpa3_lightning.data.IndexedDataset`)."
-            )
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_samples):
-            raise ValueError(
-                f"`indices` out of range: got values in [{int(indices.min())}, {int(indices.max())}] for a "
-                f"memory of {self.num_samples} samples. Fix: pass dataset indices of the training set, and "
-                "`num_samples` equal to its length."
-            )
+        check_dataset_indices(indices, self.num_samples)
         return indices.to(self.device, torch.long)
 
     def update(self, indices: Tensor, probs: Tensor, targets: Tensor | None = None) -> Tensor:

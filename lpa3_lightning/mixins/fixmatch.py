@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.augmented import LPA3Request
+from lpa3_lightning.checks import check_class_labels
 from lpa3_lightning.mixins.base import LPA3ModuleMixin
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
@@ -147,9 +148,8 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         """
         x, y, _, x_weak, x_strong, idx_u = split_semi_supervised_batch(batch)
         classes = self.lpa3_num_classes
-        if y.numel() and classes is not None and (int(y.min()) < 0 or int(y.max()) >= classes):
-            raise ValueError(f"Labels out of range: the labeled batch holds values in [{int(y.min())}, {int(y.max())}] "
-                             f"for {classes} classes (lpa3_num_classes). Fix: use class indices 0..{classes - 1}.")
+        if classes is not None:
+            check_class_labels(y, classes, name="labeled batch targets")
         model = self.lpa3_model()
         weak_logits = self.fixmatch_weak_logits(batch)
         self._fixmatch_weak = None  # this batch's logits are used up

@@ -1,0 +1,67 @@
+"""Checks of the per-sample tensors every stage receives: dataset indices and class labels.
+
+One definition each, so the TCS memory, the callback and the mixins refuse the same input
+with the same message. No Lightning here: a plain PyTorch loop gets the same errors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_class_labels", "check_dataset_indices"]
+
+
+def _is_integer_tensor(t: object) -> bool:
+    return isinstance(t, Tensor) and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def check_dataset_indices(indices: Tensor, num_samples: int, name: str = "indices") -> None:
+    """Refuse anything but a 1-D integer tensor of positions in a data set of ``num_samples``.
+
+    Raises:
+        ValueError: naming ``name``, what was received and the fix.
+
+    Example:
+        >>> import torch
+        >>> check_dataset_indices(torch.tensor([0, 3]), num_samples=4)
+        >>> check_dataset_indices(torch.tensor([4]), num_samples=4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `indices` out of range: got values in [4, 4] for a training set of 4 samples. ...
+    """
+    if not _is_integer_tensor(indices) or indices.dim() != 1:
+        got = f"{indices.dtype} of shape {tuple(indices.shape)}" if isinstance(indices, Tensor) else type(indices).__name__
+        raise ValueError(
+            f"`{name}` must be a 1-D integer tensor of dataset indices, got {got}. Fix: make the dataset return "
+            "its index with each item (e.g. wrap it in `lpa3_lightning.data.IndexedDataset`)."
+        )
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_samples):
+        raise ValueError(
+            f"`{name}` out of range: got values in [{int(indices.min())}, {int(indices.max())}] for a training set "
+            f"of {num_samples} samples. Fix: pass indices of the training set itself (not of a subset or a "
+            "concatenation), and `num_samples` equal to its length."
+        )
+
+
+def check_class_labels(labels: Tensor, num_classes: int, name: str = "labels") -> None:
+    """Refuse anything but a 1-D integer tensor of class indices in ``[0, num_classes)``.
+
+    Raises:
+        ValueError: naming ``name``, what was received and the fix ("Labels out of range" for
+        values outside the classes).
+
+    Example:
+        >>> import torch
+        >>> check_class_labels(torch.tensor([0, 2]), num_classes=3)
+    """
+    if not _is_integer_tensor(labels) or labels.dim() != 1:
+        got = f"{labels.dtype} of shape {tuple(labels.shape)}" if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"`{name}` must be a 1-D integer tensor of class indices, got {got}. Fix: pass labels as a "
+                         "long tensor (not one-hot or float).")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f"Labels out of range: `{name}` holds values in [{int(labels.min())}, {int(labels.max())}] for "
+            f"{num_classes} classes (lpa3_num_classes). Fix: use class indices 0..{num_classes - 1}, or set "
+            "lpa3_num_classes to the number of classes."
+        )
