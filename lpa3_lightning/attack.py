@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.dual_bn import TwinStatistics, frozen_twin_bn, has_dual_bn
-from lpa3_lightning.features import PerceptualFeatures, output_to_logits, unwrap_compiled
+from lpa3_lightning.features import PerceptualFeatures, eval_mode, output_to_logits, unwrap_compiled
 
 __all__ = [
     "AttackStats", "InputRange", "MaxStep", "auto_max_step", "check_max_step", "check_solver_arguments", "full_float32",
@@ -171,11 +171,9 @@ def _attack_mode(model: nn.Module, bn_mode: str,
     Yields the frozen twin statistics in twin mode (filled when the block exits if they were
     captured by its first forward), else None.
     """
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        # eval: BN uses running statistics (nothing moves) and dropout is off, so each
-        # sample's output depends on that sample only and the constraint is exact per sample.
-        model.eval()
+    # eval: BN uses running statistics (nothing moves) and dropout is off, so each
+    # sample's output depends on that sample only and the constraint is exact per sample.
+    with eval_mode(model):
         if bn_mode == "twin":
             # The twins normalise with the batch statistics of the clean batch (given, or
             # captured by the first forward), frozen for the rest of the call: the authors'
@@ -186,9 +184,6 @@ def _attack_mode(model: nn.Module, bn_mode: str,
                 yield statistics
         else:
             yield None
-    finally:
-        for m, training in flags:
-            m.training = training
 
 
 def label_log_prob(

@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.attack import full_float32, parameter_dtype
 from lpa3_lightning.dual_bn import TwinStatistics, frozen_twin_bn, has_dual_bn, reference_twin_bn, use_twin_bn
-from lpa3_lightning.features import output_to_logits
+from lpa3_lightning.features import eval_mode, output_to_logits
 
 __all__ = [
     "TrainForward", "augmented_logits", "batchnorm_with_statistics", "check_train_forward", "running_statistics",
@@ -151,11 +151,6 @@ def augmented_logits(
 def _solver_forward(model: nn.Module, normalisation: Any, device: torch.device, allow_tf32: bool) -> Iterator[None]:
     """The solver's forward conditions with autograd on: eval mode (dropout off, as in the
     solver's check), the given BN normalisation, autocast off, TF32 off unless allowed."""
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
-        with normalisation, torch.autocast(device.type, enabled=False), full_float32(device, enabled=not allow_tf32):
-            yield
-    finally:
-        for m, training in flags:
-            m.training = training
+    with eval_mode(model), normalisation, torch.autocast(device.type, enabled=False), \
+            full_float32(device, enabled=not allow_tf32):
+        yield

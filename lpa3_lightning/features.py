@@ -25,11 +25,12 @@ Activation layouts (see :func:`normalize_activation`):
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 from lpa3_lightning.dual_bn import _dual_layers
 
 __all__ = [
+    "eval_mode",
     "PerceptualFeatures",
     "default_feature_layers",
     "normalize_activation",
@@ -46,6 +48,22 @@ __all__ = [
     "resolve_layers",
     "unwrap_compiled",
 ]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the block, then every module's own ``training`` flag back.
+
+    Restoring each flag (not ``model.train(previous)``) keeps a submodule the user froze in
+    eval mode frozen: the attack never changes the train/eval mode of anything.
+    """
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
 
 #: eps added to the channel norm, as in the authors' code (docs/method.md).
 FEATURE_EPS = 1e-10
@@ -240,17 +258,13 @@ def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
                 handle.remove()
         usable_in.append(seen - refused)
 
-    flags = [(m, m.training) for m in model.modules()]
     twins = [(layer, layer._twin_frozen) for layer in _dual_layers(model)]
     devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.is_cuda else []
     try:
-        model.eval()
-        with torch.random.fork_rng(devices=devices):
+        with eval_mode(model), torch.random.fork_rng(devices=devices):
             run(grad=False)
             run(grad=True)
     finally:
-        for m, training in flags:
-            m.training = training
         for layer, frozen in twins:
             layer._twin_frozen = frozen
     both = usable_in[0] & usable_in[1]

@@ -740,3 +740,16 @@ def test_explicit_layers_resolve_at_construction_without_a_probe() -> None:
     assert batch_sizes == [4]
     with pytest.raises(ValueError, match=re.escape("['rnn', 'head']")):
         PerceptualFeatures(net, layers="lstm")
+
+
+def test_eval_mode_restores_each_modules_own_flag_even_on_error():
+    from lpa3_lightning.features import eval_mode
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
+    net.train()
+    net[2].eval()  # the user froze this BN
+    with pytest.raises(RuntimeError, match="inside"):
+        with eval_mode(net):
+            assert not any(m.training for m in net.modules())
+            raise RuntimeError("inside")
+    assert [m.training for m in net.modules()] == [True, True, True, False]
