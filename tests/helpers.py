@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import TensorDataset
 
 from lpa3_lightning.data import IndexedDataset
@@ -52,3 +57,51 @@ def indexed_images(n: int = 48, num_classes: int = 3, seed: int = 0) -> IndexedD
     y = torch.arange(n) % num_classes
     x = torch.randn(n, 1, 28, 28, generator=g) * 0.5 + (y.float() - 1.0)[:, None, None, None]
     return IndexedDataset(TensorDataset(x, y))
+
+
+def reference_model(model: nn.Module, x_clean: torch.Tensor, twin_bn: bool) -> nn.Module:
+    """An eval-mode copy normalising as the training forward of x' must.
+
+    With twins: every twin is swapped in for its main BN, and a train-mode forward of the clean
+    selected samples with momentum 1 writes their batch statistics into the running buffers
+    (unbiased variance, made biased again, as BatchNorm normalises with the biased one).
+    """
+    ref = copy.deepcopy(model)
+    if twin_bn:
+        for name, module in list(ref.named_modules()):
+            for child_name, child in list(module.named_children()):
+                twin = getattr(child, "twin", None)
+                if isinstance(twin, _BatchNorm):
+                    plain = copy.deepcopy(twin)
+                    plain.momentum = 1.0
+                    setattr(module, child_name, plain)
+        counts: dict[nn.Module, int] = {}
+
+        def count(m: nn.Module, inputs: Any, _out: Any) -> None:
+            counts[m] = inputs[0].numel() // inputs[0].shape[1]
+
+        bns = [m for m in ref.modules() if isinstance(m, _BatchNorm)]
+        handles = [m.register_forward_hook(count) for m in bns]
+        ref.train()
+        with torch.no_grad():
+            ref(x_clean.float())
+        for h in handles:
+            h.remove()
+        for m in bns:
+            n = counts[m]
+            m.running_var.mul_((n - 1) / n)
+    return ref.eval()
+
+
+def independent_logp_drop(model: nn.Module, x: torch.Tensor, x_adv: torch.Tensor, y: torch.Tensor,
+                          twin_bn: bool = False) -> torch.Tensor:
+    """``log p(y|x) - log p(y|x')`` per sample, measured without the package's forward code.
+
+    The model of :func:`reference_model` (eval mode; with ``twin_bn`` the twins normalise by
+    the clean batch ``x``'s statistics, as the solver's twin forward must), in float32.
+    """
+    ref = reference_model(model, x, twin_bn)
+    with torch.no_grad():
+        logp = F.log_softmax(ref(x.float()), dim=1).gather(1, y[:, None]).squeeze(1)
+        logp_adv = F.log_softmax(ref(x_adv.float()), dim=1).gather(1, y[:, None]).squeeze(1)
+    return logp - logp_adv

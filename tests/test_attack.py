@@ -9,7 +9,7 @@ from torch import nn
 from lpa3_lightning.attack import lpa3_attack, resolve_input_range
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.features import PerceptualFeatures
-from tests.helpers import confident_batch, confident_cnn, small_cnn, snapshot
+from tests.helpers import confident_batch, confident_cnn, independent_logp_drop, small_cnn, snapshot
 
 
 def _batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,14 +150,16 @@ def test_works_on_a_1d_signal_model_and_a_tabular_mlp():
     x_sig = torch.randn(6, 2, 100)
     y_sig = torch.randint(0, 4, (6,))
     x_adv, stats = lpa3_attack(signal_net, x_sig, y_sig, return_stats=True)
-    assert x_adv.shape == x_sig.shape and bool(stats.preserved.all())
+    assert x_adv.shape == x_sig.shape
+    assert bool((independent_logp_drop(signal_net, x_sig, x_adv, y_sig) <= 0.02 + 1e-6).all())
     assert float(stats.perceptual_distance.mean()) > 0
 
     tab_net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3))
     x_tab = torch.randn(5, 10)
     y_tab = torch.randint(0, 3, (5,))
     x_adv, stats = lpa3_attack(tab_net, x_tab, y_tab, return_stats=True)
-    assert x_adv.shape == x_tab.shape and bool(stats.preserved.all())
+    assert x_adv.shape == x_tab.shape
+    assert bool((independent_logp_drop(tab_net, x_tab, x_adv, y_tab) <= 0.02 + 1e-6).all())
     assert float((x_adv - x_tab).abs().max()) > 0
 
 
@@ -332,7 +334,8 @@ def test_autocast_does_not_change_the_solver():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under_autocast, stats = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0), return_stats=True)
     assert torch.equal(plain, under_autocast)
-    assert stats.logp_drop.dtype == torch.float32 and bool(stats.preserved.all())
+    assert stats.logp_drop.dtype == torch.float32
+    assert bool((independent_logp_drop(net, x, under_autocast, y) <= 0.02 + 1e-6).all())
 
 
 def test_low_precision_inputs_are_attacked_in_the_model_dtype_and_returned_in_theirs():
@@ -340,7 +343,11 @@ def test_low_precision_inputs_are_attacked_in_the_model_dtype_and_returned_in_th
     x, y = confident_batch(16)
     x_adv, stats = lpa3_attack(net, x.bfloat16(), y, return_stats=True, generator=torch.Generator().manual_seed(0))
     assert x_adv.dtype == torch.bfloat16
-    assert bool(torch.isfinite(x_adv.float()).all()) and bool(stats.preserved.all())
+    assert bool(torch.isfinite(x_adv.float()).all())
+    # the solver checked x' in float32; rounding x' to bfloat16 may move log p by more than
+    # float noise, so the returned tensor is re-measured as returned (what trains on it)
+    drop = independent_logp_drop(net, x.bfloat16(), x_adv, y)
+    assert bool((drop <= 0.02 + 1e-6).all()), drop.max()
 
 
 def test_a_compiled_model_is_attacked_through_its_eager_original():
@@ -376,7 +383,7 @@ def test_max_step_bounds_the_distance_where_the_authors_step_jumps():
     bound = 0.01 * x[0].numel() ** 0.5 + 5 * 0.5
     assert float(stats.l2.max()) <= bound + 1e-4
     assert float(free_stats.l2.max()) > 2 * bound  # what the cap prevents on this model
-    assert bool(stats.preserved.all())
+    assert bool((independent_logp_drop(net, x, capped, y) <= 0.02 + 1e-6).all())
     assert float(stats.perceptual_distance.mean()) > 0
 
 

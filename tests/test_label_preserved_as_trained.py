@@ -20,13 +20,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
 from lpa3_lightning import LPA3Callback
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import SupervisedLPA3Mixin
-from tests.helpers import indexed_images
+from tests.helpers import indexed_images, reference_model
 
 SIGMA = 0.02
 
@@ -73,40 +72,6 @@ class Recorder(SupervisedLPA3Mixin, pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
-def reference_model(model: nn.Module, x_clean: torch.Tensor, twin_bn: bool) -> nn.Module:
-    """An eval-mode copy normalising as the training forward of x' must.
-
-    With twins: every twin is swapped in for its main BN, and a train-mode forward of the clean
-    selected samples with momentum 1 writes their batch statistics into the running buffers
-    (unbiased variance, made biased again, as BatchNorm normalises with the biased one).
-    """
-    ref = copy.deepcopy(model)
-    if twin_bn:
-        for name, module in list(ref.named_modules()):
-            for child_name, child in list(module.named_children()):
-                twin = getattr(child, "twin", None)
-                if isinstance(twin, _BatchNorm):
-                    plain = copy.deepcopy(twin)
-                    plain.momentum = 1.0
-                    setattr(module, child_name, plain)
-        counts: dict[nn.Module, int] = {}
-
-        def count(m: nn.Module, inputs: Any, _out: Any) -> None:
-            counts[m] = inputs[0].numel() // inputs[0].shape[1]
-
-        bns = [m for m in ref.modules() if isinstance(m, _BatchNorm)]
-        handles = [m.register_forward_hook(count) for m in bns]
-        ref.train()
-        with torch.no_grad():
-            ref(x_clean.float())
-        for h in handles:
-            h.remove()
-        for m in bns:
-            n = counts[m]
-            m.running_var.mul_((n - 1) / n)
-    return ref.eval()
 
 
 def _label_logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
