@@ -1,6 +1,8 @@
-"""Data loading for LP-A3: index-returning datasets, the MedMNIST and semi-supervised data modules."""
+"""Data loading for LP-A3: index-returning datasets, the MedMNIST and semi-supervised data modules,
+synthetic label noise."""
 
 from lpa3_lightning.data.indexed import IndexedDataset
+from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
 from lpa3_lightning.data.resumable import EpochPermutationSampler, ResumableDataLoader
 from lpa3_lightning.data.semi_supervised import (
@@ -19,6 +21,7 @@ from lpa3_lightning.data.semi_supervised import (
 )
 
 __all__ = [
+    "ASYMMETRIC_MAPPINGS", "load_noisy_labels", "noisy_labels", "save_noisy_labels",
     "Cutout", "EMBEDDED_DATA_DIR", "EpochPermutationSampler", "IndexedDataset", "LabeledDataset", "MedMNISTDataModule",
     "ResumableDataLoader", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "UnlabeledDataset", "eval_transform",
     "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",
