@@ -1,0 +1,196 @@
+"""Cost of LP-A3 in a FixMatch step: step and epoch time against FixMatch's, and the floor; in one run.
+
+    python benchmarks/fixmatch_step.py [--epochs 4] [--accelerator gpu]
+
+``FixMatchClassifier`` (small CNN, MNIST-5k shipped in the package, 40 labels, batch 32 + 7 x 32
+unlabeled, data loading in the main process) with one process per configuration:
+  fixmatch              no callback (no twin BN)
+  fixmatch_lpa3         + LPA3Callback(ratio=0.9, steps=5): x' solved for every selected sample each step
+  fixmatch_lpa3_cached  + regenerate_every_n_epochs=10 (a cached x' is reused while its pseudo-label holds)
+Epoch 0 is the callback's warm-up (TCS fills, no attack) in every LP-A3 run, so epochs 1.. are
+measured; the LP-A3 term counts from epoch 1. Prints the median step time of the measured
+epochs and its ratio to FixMatch's, the amortized epoch with K=10 ((regeneration epoch + 9 x the
+mean reuse epoch) / 10), and the floor of each: FixMatch's step + one training pass on x'
+(forward + backward, twin BN) + 5 x (forward + input-gradient backward) on the selected
+samples, the last divided by K when cached. Ratios are measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONFIGS = ("fixmatch", "fixmatch_lpa3", "fixmatch_lpa3_cached")
+RATIO = 0.9
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _worker(config: str, epochs: int, accelerator: str) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lpa3_lightning import FixMatchClassifier, LPA3Callback
+    from lpa3_lightning.data import SemiSupervisedDataModule
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.steps: dict[int, list[float]] = {}
+            self.epochs: dict[int, float] = {}
+            self.reused: dict[int, float] = {}
+            self.selected: list[float] = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self._epoch_start = time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            _sync(pl_module.device)
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _sync(pl_module.device)
+            self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            _sync(pl_module.device)
+            self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
+            for key, store in (("lpa3/reused_fraction_epoch", self.reused),):
+                value = trainer.callback_metrics.get(key)
+                if value is not None:
+                    store[trainer.current_epoch] = float(value)
+
+    pl.seed_everything(0)
+    data = SemiSupervisedDataModule("mnist5k", num_labels=40, seed=0, batch_size=32, mu=7, eval_batch_size=500)
+    timer = StepTimer()
+    callbacks: list[Callback] = [timer]
+    lpa3 = config != "fixmatch"
+    if lpa3:
+        callbacks.append(LPA3Callback(ratio=RATIO, sigma=0.02, steps=5, warmup_epochs=1, seed=0,
+                                      regenerate_every_n_epochs=10 if config.endswith("cached") else 1))
+    module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, twin_bn=lpa3,
+                                lpa3_loss_warmup_epochs=1)
+    trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+    measured = [e for e in timer.steps if e >= 1]
+    device = trainer.strategy.root_device
+    result = {
+        "step_s": statistics.median([t for e in measured for t in timer.steps[e]]),
+        "epochs_s": {e: timer.epochs[e] for e in measured},
+        "reused": timer.reused,
+        "steps_per_epoch": data.num_steps_per_epoch,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    if config == "fixmatch_lpa3":
+        result["attack_s"], result["x_adv_pass_s"] = _floor_parts(module.to(device), data.mu * data.batch_size)
+    return result
+
+
+def _floor_parts(module, unlabeled_batch: int) -> tuple[float, float]:
+    """(5 x (forward + input-gradient backward), one twin-BN training pass) on the selected share."""
+    import torch
+
+    from lpa3_lightning.dual_bn import use_twin_bn
+
+    model = module.model
+    device = module.device
+    selected = round(RATIO * unlabeled_batch)
+    x = torch.randn(selected, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (selected,), device=device)
+
+    def timed(fn, reps: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def input_grad_pass():
+        model.eval()
+        xs = x.clone().requires_grad_(True)
+        torch.autograd.grad(model(xs).logsumexp(1).sum(), xs)
+
+    def x_adv_pass():
+        model.train()
+        model.zero_grad()
+        with use_twin_bn(model):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    attack = 5 * timed(input_grad_pass)
+    x_adv = timed(x_adv_pass)
+    model.zero_grad(set_to_none=True)
+    return attack, x_adv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=4, help="epoch 0 is the warm-up; 1.. are measured")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or gpu")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.epochs < 3:
+        sys.exit("--epochs must be at least 3: epoch 0 is the warm-up, epoch 1 regenerates, 2.. reuse")
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.epochs, args.accelerator)))
+        return
+    import torch
+
+    where = (torch.cuda.get_device_name(0) if args.accelerator in ("gpu", "cuda")
+             else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {where}; FixMatch small CNN, MNIST-5k, batch 32 + 224 unlabeled, "
+          f"ratio {RATIO}, epochs 1..{args.epochs - 1} measured, one process each")
+    results = {}
+    for config in CONFIGS:
+        done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs),
+                               "--accelerator", args.accelerator], capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            sys.exit(f"{config} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["epochs_s"] = {int(k): v for k, v in result["epochs_s"].items()}
+        results[config] = result
+    base, lp = results["fixmatch"], results["fixmatch_lpa3"]
+    floor_step = base["step_s"] + lp["x_adv_pass_s"] + lp["attack_s"]
+    print(f"steps per epoch: {base['steps_per_epoch']}")
+    print(f"{'config':22} {'step s':>8} {'x FixMatch':>11} {'floor s':>8} {'x floor':>8}")
+    print(f"{'fixmatch':22} {base['step_s']:8.3f} {1:10.2f}x")
+    print(f"{'fixmatch_lpa3':22} {lp['step_s']:8.3f} {lp['step_s'] / base['step_s']:10.2f}x {floor_step:8.3f} "
+          f"{lp['step_s'] / floor_step:7.2f}x")
+    print(f"floor parts: FixMatch step {base['step_s']:.3f} s + x' training pass {lp['x_adv_pass_s']:.3f} s + "
+          f"5 x (forward + input-gradient backward) {lp['attack_s']:.3f} s")
+    base_epoch = statistics.mean(base["epochs_s"].values())
+    cached = results["fixmatch_lpa3_cached"]["epochs_s"]
+    window = sorted(cached)[:10]
+    regen, reuse = cached[window[0]], [cached[e] for e in window[1:]]
+    amortized = (regen + 9 * statistics.mean(reuse)) / 10
+    steps = base["steps_per_epoch"]
+    floor_epoch = base_epoch + steps * (lp["x_adv_pass_s"] + lp["attack_s"] / 10)
+    shares = [results["fixmatch_lpa3_cached"]["reused"].get(str(e), float("nan")) for e in window[1:]]
+    print(f"fixmatch epoch {base_epoch:.2f} s; fixmatch_lpa3 epoch {statistics.mean(lp['epochs_s'].values()):.2f} s "
+          f"({statistics.mean(lp['epochs_s'].values()) / base_epoch:.2f}x)")
+    print(f"fixmatch_lpa3_cached (K=10): regeneration epoch {regen:.2f} s, {len(reuse)} reuse epochs mean "
+          f"{statistics.mean(reuse):.2f} s (x' from the cache {min(shares):.0%} to {max(shares):.0%}); amortized epoch "
+          f"{amortized:.2f} s = {amortized / base_epoch:.2f}x FixMatch; floor {floor_epoch:.2f} s "
+          f"({floor_epoch / base_epoch:.2f}x); amortized / floor {amortized / floor_epoch:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
