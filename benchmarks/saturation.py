@@ -5,7 +5,7 @@
 
 Takes the first shuffled training batch (128 images, seed 0) of the checkpoint's MedMNIST data
 set, runs lpa3_attack on it in both BN modes with ``max_step`` None (the authors' unbounded
-step), "auto" (the default: 2% of the input box's diagonal, 1.12 here), 1.0 and 0.5, and prints the L2 distance quantiles of x' from x, the share of samples
+step), "auto" (the default: 1% of the input box's diagonal, 0.56 here), 1.0 and 0.5, and prints the L2 distance quantiles of x' from x, the share of samples
 with more than a tenth of their pixels newly pushed to the edge of the pixel box, the mean
 perceptual distance and the share kept / pulled back.
 """
