@@ -40,6 +40,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 
     from lpa3_lightning import FixMatchClassifier, LPA3Callback
+    from lpa3_lightning.attack import AUTO_MAX_STEP_FRACTION
     from lpa3_lightning.data import SemiSupervisedDataModule
 
     path = result_path(out, source, labels, method, seed, steps, regenerate)
@@ -100,7 +101,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "final_test_acc": curve.rows[-1]["test_acc"], "wall_seconds": curve.seconds, "curve": curve.rows,
               "steps_per_epoch": data.num_steps_per_epoch, "lpa3_warmup_epochs": lpa3_warmup,
               "regenerate_every_n_epochs": regenerate, "final_raw_test_acc": curve.rows[-1]["raw_test_acc"],
-              "num_workers": num_workers}
+              "num_workers": num_workers, "auto_max_step_fraction": AUTO_MAX_STEP_FRACTION}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
