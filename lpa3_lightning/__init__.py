@@ -22,6 +22,7 @@ __all__ = [
     "LPA3Callback",
     "LPA3Classifier",
     "LPA3Request",
+    "PESClassifier",
     "PerceptualFeatures",
     "TimeConsistency",
     "augmented_logits",
@@ -51,4 +52,8 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
         from lpa3_lightning.fixmatch_classifier import FixMatchClassifier
 
         return FixMatchClassifier
+    if name == "PESClassifier":
+        from lpa3_lightning.pes_classifier import PESClassifier
+
+        return PESClassifier
     raise AttributeError(f"module 'lpa3_lightning' has no attribute {name!r}")

@@ -1,0 +1,185 @@
+"""PES + LP-A3: phases, the agreement split, the loss terms, and fits of the ready module with the callback."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lpa3_lightning import LPA3Callback, PESClassifier
+from lpa3_lightning.mixins import PESLPA3Mixin, split_two_view_batch
+from lpa3_lightning.mixmatch import mixup, mixup_lambda, probability_mse, sharpen, soft_cross_entropy
+from tests.helpers import independent_logp_drop, indexed_images
+
+NUM_CLASSES = 3
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, NUM_CLASSES))
+
+
+class NoisyTwoViews(Dataset):
+    """Synthetic images with a third of the labels moved to the next class; two noisy views each."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.data = indexed_images(n)
+        self.clean = torch.stack([self.data[i][1] for i in range(n)])
+        self.noisy = self.clean.clone()
+        self.noisy[::3] = (self.noisy[::3] + 1) % NUM_CLASSES
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, _, idx = self.data[i]
+        g = torch.Generator().manual_seed(i * 7 + int(torch.randint(0, 1000, ())))
+        return x + 0.05 * torch.randn(x.shape, generator=g), x + 0.05 * torch.randn(x.shape, generator=g), \
+            self.noisy[i], idx
+
+
+class Recording(PESClassifier):
+    """Records, before each optimizer step, what an independent check of x' needs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.records: list[dict[str, Any]] = []
+        self.parts: list[dict[str, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        augmented = self._lpa3_augmented
+        if augmented is not None and len(augmented) and augmented.reference_inputs is not None:
+            self.records.append({"model": copy.deepcopy(self.model), "x": augmented.reference_inputs.clone(),
+                                 "x_adv": augmented.inputs.clone(), "y": augmented.targets.clone()})
+        loss = super().training_step(batch, batch_idx)
+        self.parts.append({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("train/")})
+        return loss
+
+
+def _fit(module: PESClassifier, epochs: int, callback: LPA3Callback | None = None, tmp_path=None) -> pl.Trainer:
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[callback] if callback is not None else [], num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(NoisyTwoViews(), batch_size=16, shuffle=True))
+    return trainer
+
+
+def test_phases_and_the_refine_phase_reinitialises_the_head_in_place():
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=2, refine_epochs=1)
+    assert [module.pes_phase(e) for e in range(5)] == ["early", "early", "refine", "semi", "semi"]
+    head = module.pes_head()
+    before = head.weight.detach().clone()
+    weight_object = head.weight
+    module.pes_begin_epoch(1, loader=[])  # not yet
+    assert torch.equal(head.weight, before)
+    torch.manual_seed(3)
+    module.pes_begin_epoch(2, loader=[])
+    assert head.weight is weight_object and not torch.equal(head.weight.detach(), before)
+
+
+def test_the_split_marks_samples_whose_noisy_label_the_model_predicts_on_both_views_on_average():
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False)
+    data = NoisyTwoViews()
+    loader = DataLoader(data, batch_size=10, shuffle=True)
+    torch.manual_seed(0)
+    labeled = module.pes_refresh_split(loader)
+    # independent: eval-mode predictions of the same views (seeded the same way by the dataset)
+    torch.manual_seed(0)
+    expected = torch.zeros(48, dtype=torch.bool)
+    model = copy.deepcopy(module.model).eval()
+    with torch.no_grad():
+        for x1, x2, y, idx in loader:
+            probs = (torch.softmax(model(x1), 1) + torch.softmax(model(x2), 1)) / 2
+            expected[idx] = probs.argmax(1) == y
+    assert torch.equal(labeled.cpu(), expected)
+    counts = torch.bincount(data.noisy[expected], minlength=NUM_CLASSES).float()
+    present = counts > 0
+    weights = torch.zeros(NUM_CLASSES)
+    weights[present] = (counts[present].mean() / counts[present]).clamp(max=3.0)
+    assert torch.allclose(module._pes_class_weights, weights)
+
+
+def test_loss_terms_in_the_early_and_semi_phases():
+    torch.manual_seed(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
+                           refine_epochs=0, lambda_u=10.0, rampup_epochs=4)
+    batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
+    x1, x2, y, idx = batch
+    loss, parts = module.pes_loss(batch)  # epoch 0: early
+    assert torch.allclose(loss, F.cross_entropy(module.model(x1), y))
+    # semi phase at epoch 1 + 2/4 of an epoch: ramp = 10 * clip((1.5 - 1) / 4) = 1.25
+    module.pes_current_epoch = lambda: 1  # type: ignore[method-assign]
+    labeled = torch.zeros(48, dtype=torch.bool)
+    labeled[idx[:10]] = True
+    module._pes_labeled, module._pes_class_weights = labeled, torch.tensor([1.0, 2.0, 0.5])
+    torch.manual_seed(5)
+    loss, parts = module.pes_loss(batch, batch_idx=2, batches_per_epoch=4)
+    # independent recomputation with the same random draws (lam first, then the permutation)
+    torch.manual_seed(5)
+    model = module.model
+    lab = labeled[idx]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.cat([x1[~lab], x2[~lab]])), 1)
+    n_u = int((~lab).sum())
+    guess = sharpen((probs[:n_u] + probs[n_u:]) / 2, 0.5)
+    one_hot = F.one_hot(y[lab], NUM_CLASSES).float()
+    inputs = torch.cat([x1[lab], x2[lab], x1[~lab], x2[~lab]])
+    targets = torch.cat([one_hot, one_hot, guess, guess])
+    lam = mixup_lambda(4.0)
+    mixed_x, mixed_t = mixup(inputs, targets, lam, torch.randperm(inputs.shape[0]))
+    logits = model(mixed_x)
+    lx = soft_cross_entropy(logits[:20], mixed_t[:20], torch.tensor([1.0, 2.0, 0.5]))
+    lu = probability_mse(logits[20:], mixed_t[20:])
+    assert abs(float(parts["unlabeled_weight"]) - 1.25) < 1e-6
+    assert torch.allclose(loss, lx + 1.25 * lu, atol=1e-5)
+    assert float(parts["labeled_share"]) == pytest.approx(10 / 24)
+
+
+def test_a_batch_of_another_layout_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="NoisyLabelDataModule"):
+        split_two_view_batch((torch.zeros(2, 1, 4, 4), torch.zeros(2)))
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_ready_module_fits_with_the_callback_and_x_prime_keeps_its_guessed_label_as_trained(mixed, tmp_path):
+    pl.seed_everything(0)
+    module = Recording(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=2, refine_epochs=1,
+                       lambda_u=5.0, rampup_epochs=1, lpa3_mixup=mixed)
+    callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=2, warmup_epochs=3, seed=0)
+    trainer = _fit(module, epochs=5, callback=callback, tmp_path=tmp_path)
+    semi = [p for p in module.parts if p.get("train/unlabeled_weight", 0.0) > 0]
+    assert semi and sum(p["train/num_augmented"] for p in semi) > 0
+    assert any(p["train/loss_lpa3"] > 0 for p in semi)
+    # independent re-check of the constraint in the forward that trains the unmixed x'
+    assert module.records
+    kept = total = 0
+    for r in module.records:
+        drop = independent_logp_drop(r["model"], r["x"], r["x_adv"], r["y"], twin_bn=True)
+        kept += int((drop <= 0.02 + 1e-5).sum())
+        total += drop.numel()
+    assert kept == total
+    assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) == pytest.approx(1.0)
+    assert "val/acc" not in trainer.callback_metrics  # no val loader given
+
+
+def test_without_the_callback_it_is_plain_pes_and_the_split_is_in_the_checkpoint(tmp_path):
+    pl.seed_everything(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1)
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+    data = DataLoader(NoisyTwoViews(), batch_size=16, shuffle=True)
+    val = DataLoader(indexed_images(12), batch_size=12)
+    trainer.fit(module, data, val)
+    assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
+    assert float(trainer.callback_metrics["train/loss_lpa3"]) == 0.0
+    path = tmp_path / "pes.ckpt"
+    trainer.save_checkpoint(path)
+    restored = PESClassifier.load_from_checkpoint(path, model=_net())
+    assert torch.equal(restored._pes_labeled, module._pes_labeled.cpu())
