@@ -4,6 +4,7 @@ synthetic label noise."""
 from lpa3_lightning.data.indexed import IndexedDataset
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
+from lpa3_lightning.data.noisy_labels import NOISY_LABEL_SOURCES, NoisyLabelDataModule, TwoViewNoisyDataset
 from lpa3_lightning.data.resumable import EpochPermutationSampler, ResumableDataLoader
 from lpa3_lightning.data.semi_supervised import (
     SEMI_SUPERVISED_SOURCES,
@@ -21,7 +22,8 @@ from lpa3_lightning.data.semi_supervised import (
 )
 
 __all__ = [
-    "ASYMMETRIC_MAPPINGS", "load_noisy_labels", "noisy_labels", "save_noisy_labels",
+    "ASYMMETRIC_MAPPINGS", "NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset", "load_noisy_labels",
+    "noisy_labels", "save_noisy_labels",
     "Cutout", "EMBEDDED_DATA_DIR", "EpochPermutationSampler", "IndexedDataset", "LabeledDataset", "MedMNISTDataModule",
     "ResumableDataLoader", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "UnlabeledDataset", "eval_transform",
     "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",

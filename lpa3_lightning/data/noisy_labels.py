@@ -1,0 +1,234 @@
+"""Training data with synthetic label noise for PES / DivideMix: two augmented views, the noisy label, the index.
+
+The images come from the same sources as :class:`~lpa3_lightning.data.SemiSupervisedDataModule`
+(MNIST-5k shipped in the package, 2D MedMNIST flags, CIFAR-10/100 through torchvision); the
+noise from :mod:`lpa3_lightning.data.label_noise`, drawn from ``seed`` or read from ``noise_file``.
+The clean training labels stay in the data module (:attr:`NoisyLabelDataModule.clean_train_labels`,
+for measuring the noise and the split) and never reach a training batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
+from lpa3_lightning.data.label_split import check_int
+from lpa3_lightning.data.semi_supervised import (
+    SEMI_SUPERVISED_SOURCES,
+    SemiSupervisedDataModule,
+    _ImageArrays,
+    _position,
+)
+
+__all__ = ["NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset"]
+
+#: Sources with labels on every training image (STL-10's unlabeled part has none).
+NOISY_LABEL_SOURCES: tuple[str, ...] = tuple(s for s in SEMI_SUPERVISED_SOURCES if s != "stl10")
+
+
+class TwoViewNoisyDataset(Dataset):
+    """``(view1, view2, noisy_label, index)``: two independent draws of ``transform`` of each image."""
+
+    def __init__(self, base: _ImageArrays, labels: np.ndarray, transform: Callable[[Any], Any]) -> None:
+        if len(labels) != len(base):
+            raise ValueError(f"{len(labels)} noisy labels for {len(base)} images.")
+        self.base = base
+        self.labels = torch.as_tensor(np.asarray(labels, dtype=np.int64))
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: Any) -> tuple[Any, Any, torch.Tensor, int]:
+        position = _position(index, len(self), "noisy-label data set")
+        image, _ = self.base[position]  # the clean label is dropped here
+        return self.transform(image), self.transform(image), self.labels[position], position
+
+
+class NoisyLabelDataModule(pl.LightningDataModule):
+    """Noisy-label training batches ``(x_view1, x_view2, noisy_label, index)``; clean val/test batches.
+
+    Args:
+        source: ``"mnist5k"`` (shipped), a 2D MedMNIST flag, ``"cifar10"`` or ``"cifar100"``.
+        root: folder of the data files; None for the embedded folder (mnist5k, breastmnist).
+        noise_mode: ``"symmetric"`` or ``"asymmetric"`` (see :mod:`~lpa3_lightning.data.label_noise`).
+        noise_rate: share of the training set drawn for noise, in ``[0, 1]``.
+        noise_convention: symmetric: ``"other"`` (a wrong label) or ``"any"`` (DivideMix's uniform re-draw).
+        noise_mapping: asymmetric: a name in ``ASYMMETRIC_MAPPINGS`` or ``{source: target}``; None
+            for the source's (``cifar10`` for CIFAR-10, ``digits`` for MNIST-5k, ``binary`` for a
+            two-class set).
+        seed: seed of the noise.
+        noise_file: JSON file of the noisy labels: read when it exists (it must be for this
+            source's clean labels, mode and rate), written when missing; None: drawn from ``seed``.
+        batch_size: training batch size; eval_batch_size: validation / test batch size.
+        num_workers: data loader worker processes.
+        download: download missing torchvision / MedMNIST files into ``root``.
+        flip: random horizontal flip in the training views; None: the source's default.
+
+    Example:
+        >>> dm = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
+        >>> dm.setup("fit")
+        >>> x1, x2, y, idx = next(iter(dm.train_dataloader()))
+        >>> tuple(x1.shape), round(float((dm.noisy_train_labels != dm.clean_train_labels).mean()), 2)
+        ((8, 1, 28, 28), 0.5)
+    """
+
+    def __init__(
+        self,
+        source: str = "mnist5k",
+        root: str | None = None,
+        noise_mode: Literal["symmetric", "asymmetric"] = "symmetric",
+        noise_rate: float = 0.5,
+        noise_convention: Literal["other", "any"] = "other",
+        noise_mapping: str | Mapping[int, int] | None = None,
+        seed: int = 0,
+        noise_file: str | None = None,
+        batch_size: int = 64,
+        eval_batch_size: int = 256,
+        num_workers: int = 0,
+        download: bool = False,
+        flip: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if source == "stl10":
+            raise ValueError("`source='stl10'` has no labels on most of its training images, so label noise does not "
+                             "apply. Fix: use 'cifar10', 'cifar100', 'mnist5k' or a MedMNIST flag.")
+        # the image source: files, facts and views (its labeled split is never drawn here)
+        self._images = SemiSupervisedDataModule(source, root=root, num_labels=_facts_classes(source),
+                                                eval_batch_size=eval_batch_size, num_workers=num_workers,
+                                                download=download, flip=flip)
+        check_int("seed", seed, 0, "pass a non-negative integer seed, e.g. 0.")
+        check_int("batch_size", batch_size, 1, "pass a positive batch size, e.g. 64.")
+        if noise_file is not None and not isinstance(noise_file, (str, os.PathLike)):
+            raise ValueError(f"`noise_file` must be a file path or None, got {type(noise_file).__name__}.")
+        if noise_mapping is None:
+            noise_mapping = {"cifar10": "cifar10", "mnist5k": "digits"}.get(
+                source, "binary" if self._images.num_classes == 2 else None)
+        if noise_mode == "asymmetric" and noise_mapping is None:
+            raise ValueError(f"`noise_mapping` is needed for asymmetric noise on {source!r} (no built-in mapping for "
+                             f"its classes). Fix: pass noise_mapping={{source_class: target_class, ...}}, or one of "
+                             f"{sorted(ASYMMETRIC_MAPPINGS)}.")
+        # argument checks of the noise itself, before any file is read
+        noisy_labels(np.zeros(1, dtype=np.int64), noise_rate, self._images.num_classes, seed, noise_mode,
+                     noise_convention, noise_mapping or "binary")
+        self.save_hyperparameters()
+        self.source = source
+        self.noise_mode = noise_mode
+        self.noise_rate = float(noise_rate)
+        self.noise_convention = noise_convention
+        self.noise_mapping = noise_mapping
+        self.seed = int(seed)
+        self.noise_file = Path(noise_file).expanduser() if noise_file is not None else None
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.train_dataset: TwoViewNoisyDataset | None = None
+        self.clean_train_labels: np.ndarray | None = None
+        self.noisy_train_labels: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def num_classes(self) -> int:
+        return self._images.num_classes
+
+    @property
+    def in_channels(self) -> int:
+        return self._images.in_channels
+
+    @property
+    def normalization(self) -> dict[str, list[float]]:
+        """Per-channel mean/std of the normalisation (LP-A3's callback reads it for the input box)."""
+        return self._images.normalization
+
+    @property
+    def num_train(self) -> int:
+        """Training set size (the split and the TCS memory are over it)."""
+        return self._images.num_unlabeled
+
+    def _noise_meta(self) -> dict[str, Any]:
+        mapping = self.noise_mapping if isinstance(self.noise_mapping, (str, type(None))) else \
+            {str(k): int(v) for k, v in dict(self.noise_mapping).items()}
+        return {"source": self.source, "mode": self.noise_mode, "rate": self.noise_rate, "seed": self.seed,
+                "convention": self.noise_convention if self.noise_mode == "symmetric" else None,
+                "mapping": mapping if self.noise_mode == "asymmetric" else None}
+
+    # ------------------------------------------------------------------ hooks
+    def prepare_data(self) -> None:
+        self._images.prepare_data()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Builds the noisy training set (``"fit"``/None) and the clean val/test splits."""
+        if stage in (None, "fit") and self.train_dataset is None:
+            base = _ImageArrays(self._images._split_arrays("train"))
+            clean = base.labels
+            self.clean_train_labels = clean
+            self.noisy_train_labels = self._draw_or_read(clean)
+            self.train_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels, self._images.weak_transform())
+        if stage in (None, "fit", "validate"):
+            self._images.setup("validate")
+        if stage in (None, "test", "predict"):
+            self._images.setup("test")
+
+    def _draw_or_read(self, clean: np.ndarray) -> np.ndarray:
+        meta = self._noise_meta()
+        if self.noise_file is not None and self.noise_file.is_file():
+            labels, _ = load_noisy_labels(self.noise_file, clean,
+                                          expected={k: meta[k] for k in ("source", "mode", "rate")})
+            return labels
+        labels = noisy_labels(clean, self.noise_rate, self.num_classes, self.seed, self.noise_mode,
+                              self.noise_convention, self.noise_mapping or "binary")
+        trainer = getattr(self, "trainer", None)
+        if self.noise_file is not None and (trainer is None or trainer.is_global_zero):
+            save_noisy_labels(self.noise_file, labels, clean, meta)
+        return labels
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled ``(x_view1, x_view2, noisy_label, index)`` batches; the last partial batch is dropped."""
+        if self.train_dataset is None:
+            raise RuntimeError("The training data is not built yet; call setup('fit') first "
+                               "(a Lightning Trainer does this automatically).")
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        """Clean ``(x, y, index)`` batches of the validation split (the test split where the source has none)."""
+        return self._images.val_dataloader()
+
+    def test_dataloader(self) -> DataLoader:
+        """Clean ``(x, y, index)`` batches of the test split."""
+        return self._images.test_dataloader()
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The noisy labels and what they were drawn for (Lightning stores them in checkpoints)."""
+        if self.noisy_train_labels is None:
+            return {}
+        return {**self._noise_meta(), "noisy_labels": [int(v) for v in self.noisy_train_labels]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Adopts a checkpoint's noisy labels (after ``setup``), refusing those of another source or size."""
+        if not state_dict:
+            return
+        if state_dict.get("source") != self.source:
+            raise ValueError(f"The checkpoint's noisy labels are for source={state_dict.get('source')!r}, not "
+                             f"{self.source!r}. Fix: pass the checkpoint's source to resume that run.")
+        labels = np.asarray(state_dict["noisy_labels"], dtype=np.int64)
+        if self.train_dataset is not None:
+            if len(labels) != len(self.train_dataset):
+                raise ValueError(f"The checkpoint has {len(labels)} noisy labels, the training set {len(self.train_dataset)} "
+                                 "images. Fix: point `root` at the data the checkpoint was trained on.")
+            self.noisy_train_labels = labels
+            self.train_dataset.labels = torch.as_tensor(labels)
+
+
+def _facts_classes(source: str) -> int:
+    """Number of classes of ``source`` (validated by the semi-supervised module's own check)."""
+    SemiSupervisedDataModule._validate_source(source)
+    return int(SemiSupervisedDataModule._facts(source)["num_classes"])
