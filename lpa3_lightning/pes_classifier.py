@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lpa3_lightning.classifier import check_datamodule_agrees
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.fixmatch_classifier import build_ssl_backbone
 from lpa3_lightning.mixins.base import split_indexed_batch
@@ -36,7 +37,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         arch: ``"small_cnn"``, ``"wrn28_2"`` or ``"wrn28_8"`` (see ``build_ssl_backbone``).
         in_channels: image channels.
         num_classes: classes.
-        num_samples: training set size (the split and the TCS memory are over it).
+        num_samples: training set size (the split and the TCS memory are over it); None: the data
+            module's ``num_train`` (needed without a data module).
         lr: SGD learning rate (0.02).
         momentum: SGD momentum (0.9).
         weight_decay: SGD weight decay (5e-4).
@@ -64,7 +66,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         arch: str = "small_cnn",
         in_channels: int = 1,
         num_classes: int = 10,
-        num_samples: int = 4000,
+        num_samples: int | None = None,
         lr: float = 0.02,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
@@ -83,8 +85,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         model: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        for name, value, low in (("num_samples", num_samples, 2), ("early_epochs", early_epochs, 1),
-                                 ("refine_epochs", refine_epochs, 0), ("num_classes", num_classes, 2)):
+        checks = [("early_epochs", early_epochs, 1), ("refine_epochs", refine_epochs, 0), ("num_classes", num_classes, 2)]
+        for name, value, low in checks + ([("num_samples", num_samples, 2)] if num_samples is not None else []):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. early_epochs=20, "
                                  "refine_epochs=5, num_samples=<training set size>.")
@@ -111,6 +113,15 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         self._alpha_late_epoch_arg = alpha_late_epoch
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def setup(self, stage: str) -> None:
+        datamodule = check_datamodule_agrees(self, ("num_classes", "in_channels"), "PESClassifier")
+        size = getattr(datamodule, "num_train", None)
+        if isinstance(size, int):
+            if self.hparams.num_samples is not None and self.hparams.num_samples != size:
+                raise ValueError(f"The data module has {size} training samples but the model was built with "
+                                 f"num_samples={self.hparams.num_samples}. Fix: pass num_samples={size} or leave it None.")
+            self.lpa3_num_samples = size
 
     def lpa3_model(self) -> nn.Module:
         return self.model

@@ -1,0 +1,129 @@
+"""Write the noisy-label configs of this folder (run it after changing a setting here).
+
+    python configs/noisy/make_configs.py
+
+One YAML per paper row of LP-A3's noisy-label table (Yang et al., NeurIPS 2022, Table 2:
+CIFAR-10 and CIFAR-100 with 50%, 80% and 90% symmetric noise; plus CIFAR-10 with 40%
+asymmetric noise, a standard row of PES and DivideMix), PES with and without LP-A3, with the
+settings of the authors' PES + LP-A3 code (PreAct ResNet-18, 300 epochs, batch 128, SGD 0.02 with
+cosine annealing, T1 = 20 epochs on CIFAR-10 and 35 on CIFAR-100, T2 = 5, lambda_u 150, mixup
+alpha 4 then 0.75 from epoch 150, temperature 0.5; LP-A3 sigma 0.002 on CIFAR-10 and 0.02 on
+CIFAR-100, ratio 0.9, 5 steps, lam 1). The paper's symmetric noise follows the authors' noise code:
+a label is re-drawn uniformly over all classes (``noise_convention: any``). Plus CPU rows on
+MNIST-5k (shipped; 50% and 80% symmetric noise, always a wrong label) and PneumoniaMNIST (40% of
+the labels flipped), with a small CNN and a schedule scaled to minutes (early 10, refine 2, 40
+epochs, lambda_u 25: choices for the CPU scale, not the authors').
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+PAPER = {  # source -> (classes, sigma, T1, noise rows as (mode, rate))
+    "cifar10": (10, 0.002, 20, (("symmetric", 0.5), ("symmetric", 0.8), ("symmetric", 0.9), ("asymmetric", 0.4))),
+    "cifar100": (100, 0.02, 35, (("symmetric", 0.5), ("symmetric", 0.8), ("symmetric", 0.9))),
+}
+CPU = {  # source -> (classes, sigma, noise rows, training set size)
+    "mnist5k": (10, 0.02, (("symmetric", 0.5), ("symmetric", 0.8)), 4000),
+    "pneumoniamnist": (2, 0.02, (("symmetric", 0.4),), 4708),
+}
+
+
+def _yaml(name: str, *, source: str, arch: str, classes: int, channels: int, mode: str, rate: float, convention: str,
+          sigma: float | None, early: int, refine: int, epochs: int, batch: int, lambda_u: float, root: str | None,
+          note: str) -> str:
+    lpa3 = "" if sigma is None else f"""    - class_path: lpa3_lightning.LPA3Callback
+      init_args:
+        ratio: 0.9
+        sigma: {sigma}
+        steps: 5
+        lam: 1.0
+        warmup_epochs: {early + refine}
+"""
+    root_line = f"    root: {root}\n" if root else ""
+    return f"""# {note}
+# Written by configs/noisy/make_configs.py; `lpa3 fit --config configs/noisy/{name}.yaml`.
+seed_everything: 0
+test_after_fit: true
+trainer:
+  max_epochs: {epochs}
+  accelerator: auto
+  devices: 1
+  default_root_dir: runs/noisy/{name}
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args:
+      save_dir: runs/noisy/{name}
+      name: ""
+  callbacks:
+{lpa3}    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        save_last: true
+model:
+  class_path: lpa3_lightning.PESClassifier
+  init_args:
+    arch: {arch}
+    in_channels: {channels}
+    num_classes: {classes}
+    lr: 0.02
+    momentum: 0.9
+    weight_decay: 0.0005
+    refine_lr: 0.0001
+    early_epochs: {early}
+    refine_epochs: {refine}
+    lambda_u: {lambda_u}
+    temperature: 0.5
+    alpha: 4.0
+    alpha_late: 0.75
+    rampup_epochs: 16.0
+    lpa3_mixup: true
+    twin_bn: true
+data:
+  class_path: lpa3_lightning.data.NoisyLabelDataModule
+  init_args:
+    source: {source}
+{root_line}    noise_mode: {mode}
+    noise_rate: {rate}
+    noise_convention: {convention}
+    seed: 0
+    noise_file: runs/noisy/{name}/noisy_labels.json
+    batch_size: {batch}
+"""
+
+
+def main() -> None:
+    written = []
+    for source, (classes, sigma, early, rows) in PAPER.items():
+        for mode, rate in rows:
+            for with_lpa3 in (False, True):
+                tag = f"{'sym' if mode == 'symmetric' else 'asym'}{int(rate * 100)}"
+                name = f"{source}_{tag}_pes{'_lpa3' if with_lpa3 else ''}"
+                note = (f"Paper row: {source} {int(rate * 100)}% {mode} noise, PES{' + LP-A3' if with_lpa3 else ''} "
+                        "(PreAct ResNet-18, 300 epochs); needs the torchvision files in `root`")
+                text = _yaml(name, source=source, arch="preact_resnet18", classes=classes, channels=3, mode=mode,
+                             rate=rate, convention="any", sigma=sigma if with_lpa3 else None,
+                             early=early, refine=5, epochs=305, batch=128, lambda_u=150.0,
+                             root=f"data/{source}", note=note)
+                (HERE / f"{name}.yaml").write_text(text)
+                written.append(name)
+    for source, (classes, sigma, rows, _size) in CPU.items():
+        for mode, rate in rows:
+            for with_lpa3 in (False, True):
+                name = f"{source}_sym{int(rate * 100)}_pes{'_lpa3' if with_lpa3 else ''}"
+                root = None if source == "mnist5k" else "data/medmnist"
+                note = (f"CPU row: {source} {int(rate * 100)}% symmetric noise (always a wrong label), "
+                        f"PES{' + LP-A3' if with_lpa3 else ''}, small CNN"
+                        + ("; MNIST-5k ships in the package" if source == "mnist5k" else "; needs pneumoniamnist.npz "
+                           "in `root`"))
+                text = _yaml(name, source=source, arch="small_cnn", classes=classes, channels=1, mode=mode, rate=rate,
+                             convention="other", sigma=sigma if with_lpa3 else None, early=10, refine=2, epochs=40,
+                             batch=64, lambda_u=25.0, root=root, note=note)
+                (HERE / f"{name}.yaml").write_text(text)
+                written.append(name)
+    print(f"wrote {len(written)} configs to {HERE}")
+
+
+if __name__ == "__main__":
+    main()

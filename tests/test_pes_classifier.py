@@ -1,0 +1,50 @@
+"""The ready PES module from the command line: each noisy-label config parses and agrees with its data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lpa3_lightning import LPA3Callback, PESClassifier
+from lpa3_lightning.cli import build_cli
+from lpa3_lightning.data import NoisyLabelDataModule
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "noisy"
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_each_noisy_config_parses(config, tmp_path):
+    args = ["--config", str(CONFIGS / config), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.download=false",
+            f"--data.init_args.noise_file={tmp_path / 'noise.json'}"]
+    cli = build_cli(args, run=False)
+    assert isinstance(cli.model, PESClassifier) and isinstance(cli.datamodule, NoisyLabelDataModule)
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, LPA3Callback)]
+    assert bool(callbacks) == config.endswith("_lpa3.yaml")
+    model, data = cli.model, cli.datamodule
+    assert model.hparams.num_classes == data.num_classes and model.hparams.in_channels == data.in_channels
+    if callbacks:
+        # x' are used from the semi-supervised phase on: the attack's warm-up covers the two first phases
+        assert callbacks[0].warmup_epochs == model.pes_early_epochs + model.pes_refine_epochs
+        assert callbacks[0].sigma == (0.002 if config.startswith("cifar10_") else 0.02)
+    if config.startswith("cifar"):
+        assert data.noise_convention == "any" and model.hparams.arch == "preact_resnet18"
+
+
+def test_the_mnist5k_row_fits_from_the_command_line_for_one_epoch_of_each_phase(tmp_path):
+    # the row's config with one epoch per phase (the attack's warm-up moved with them)
+    text = (CONFIGS / "mnist5k_sym80_pes_lpa3.yaml").read_text()
+    for old, new in (("warmup_epochs: 12", "warmup_epochs: 2"), ("early_epochs: 10", "early_epochs: 1"),
+                     ("refine_epochs: 2", "refine_epochs: 1")):
+        assert old in text
+        text = text.replace(old, new)
+    config = tmp_path / "short.yaml"
+    config.write_text(text)
+    args = ["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_epochs=3",
+            "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1",
+            f"--data.init_args.noise_file={tmp_path / 'noise.json'}", "--data.init_args.batch_size=16"]
+    cli = build_cli(args, run=True)
+    assert cli.trainer.current_epoch == 3 and "test/acc" in cli.trainer.callback_metrics  # test_after_fit ran
+    assert (tmp_path / "noise.json").is_file()
