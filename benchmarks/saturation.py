@@ -50,8 +50,9 @@ def main() -> None:
             # pixels at the box edge in x' that were not there in x; [-1, 1] after the MedMNIST normalisation
             newly = ((x_adv.abs() >= 0.999) & (x.abs() < 0.999)).flatten(1).float().mean(1)
             q = torch.quantile(stats.l2, torch.tensor([0.5, 0.9, 1.0]))
+            saturated = int((newly > 0.1).sum())
             print(f"{bn_mode:8} {max_step!s:>8} {q[0]:10.2f} {q[1]:7.2f} {q[2]:7.2f} "
-                  f"{float((newly > 0.1).float().mean()):10.2f} {float(stats.perceptual_distance.mean()):10.3f} "
+                  f"{f'{saturated}/{len(y)} {saturated / len(y):.1%}':>10} {float(stats.perceptual_distance.mean()):10.3f} "
                   f"{float(stats.preserved.float().mean()):5.2f} {float(stats.projected.float().mean()):12.2f}")
 
 
