@@ -1,0 +1,102 @@
+"""DivideMix's own pieces (Li, Socher, Hoi, ICLR 2020): the loss-based split, co-refinement, co-guessing.
+
+DivideMix trains two networks. At the start of every epoch after the warm-up, each network's
+per-sample cross-entropy on the noisy labels (eval mode, no augmentation), min-max normalised,
+is fitted by a two-component Gaussian mixture; the posterior of the low-loss component is the
+probability ``w`` that a label is clean, and the *other* network trains with the samples whose
+``w`` exceeds a threshold as labeled (co-divide). In its MixMatch step a labeled target is
+refined with the network's own prediction (``sharpen(w y + (1 - w) p)``) and an unlabeled
+target is guessed by both networks together (``sharpen`` of their mean over both views); a
+prior penalty keeps the mean prediction near uniform. The mixup and the two losses are
+:mod:`lpa3_lightning.mixmatch`'s. Pure functions, no Lightning.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lpa3_lightning.mixmatch import sharpen
+
+__all__ = ["clean_probability", "co_guess", "co_refine", "negative_entropy", "normalized_losses", "prior_penalty"]
+
+
+def normalized_losses(losses: Tensor) -> Tensor:
+    """Min-max normalised per-sample losses, in ``[0, 1]`` (a constant vector gives zeros)."""
+    low, high = losses.min(), losses.max()
+    return (losses - low) / (high - low).clamp_min(torch.finfo(losses.dtype).tiny)
+
+
+def clean_probability(losses: Tensor, seed: int = 0, max_iter: int = 10, tol: float = 1e-2,
+                      reg_covar: float = 5e-4) -> Tensor:
+    """Per-sample probability that the label is clean: a 2-component GMM on the losses.
+
+    Fits scikit-learn's ``GaussianMixture`` (DivideMix's settings: 10 EM iterations, tolerance
+    0.01, covariance regularisation 5e-4) to the losses as given (normalise them first, see
+    :func:`normalized_losses`; DivideMix averages the last 5 epochs' normalised losses at 90%
+    noise) and returns the posterior of the component with the smaller mean. ``seed`` fixes
+    the k-means initialisation (DivideMix's code leaves it unseeded).
+
+    Shape:
+        - losses: ``(N,)``; output ``(N,)`` float32 on the losses' device.
+
+    Example:
+        >>> losses = torch.cat([torch.full((50,), 0.1), torch.full((50,), 0.9)]) + torch.linspace(0, 0.01, 100)
+        >>> w = clean_probability(losses)
+        >>> bool(w[:50].min() > 0.9), bool(w[50:].max() < 0.1)
+        (True, True)
+    """
+    from sklearn.mixture import GaussianMixture  # a dependency of medmnist; imported where it is used
+
+    if losses.dim() != 1 or losses.numel() < 2:
+        raise ValueError(f"`losses` must be a 1-D tensor of at least 2 per-sample losses, got shape "
+                         f"{tuple(losses.shape)}.")
+    values = losses.detach().double().cpu().numpy().reshape(-1, 1)
+    if not np.isfinite(values).all():
+        raise ValueError("`losses` holds NaN or Inf. Fix: check the model's outputs before the split.")
+    gmm = GaussianMixture(n_components=2, max_iter=max_iter, tol=tol, reg_covar=reg_covar, random_state=seed)
+    gmm.fit(values)
+    clean = int(np.argmin(gmm.means_.reshape(-1)))
+    return torch.as_tensor(gmm.predict_proba(values)[:, clean], dtype=torch.float32, device=losses.device)
+
+
+def co_refine(labels: Tensor, probs_views: Tensor, w: Tensor, temperature: float = 0.5) -> Tensor:
+    """DivideMix's label co-refinement: ``sharpen(w * onehot(y) + (1 - w) * mean_views(p), T)``.
+
+    Shape:
+        - labels: ``(B,)`` noisy labels; probs_views: ``(V, B, C)`` the network's predictions of
+          the ``V`` augmented views; w: ``(B,)`` clean probabilities. Output ``(B, C)``.
+    """
+    if probs_views.dim() != 3 or probs_views.shape[1:2] != labels.shape or w.shape != labels.shape:
+        raise ValueError(f"`probs_views` must be (V, B, C) with B = len(labels) = len(w), got "
+                         f"{tuple(probs_views.shape)}, {tuple(labels.shape)}, {tuple(w.shape)}.")
+    one_hot = F.one_hot(labels.long(), probs_views.shape[2]).to(probs_views.dtype)
+    w = w.to(probs_views.dtype)[:, None]
+    return sharpen(w * one_hot + (1 - w) * probs_views.mean(0), temperature)
+
+
+def co_guess(probs_net1: Tensor, probs_net2: Tensor, temperature: float = 0.5) -> Tensor:
+    """DivideMix's co-guessing: ``sharpen`` of both networks' predictions averaged over the views.
+
+    Shape:
+        - probs_net1, probs_net2: ``(V, B, C)``; output ``(B, C)``.
+    """
+    if probs_net1.shape != probs_net2.shape or probs_net1.dim() != 3:
+        raise ValueError(f"both networks' predictions must be (V, B, C) of one shape, got {tuple(probs_net1.shape)} "
+                         f"and {tuple(probs_net2.shape)}.")
+    return sharpen(torch.cat([probs_net1, probs_net2]).mean(0), temperature)
+
+
+def prior_penalty(logits: Tensor) -> Tensor:
+    """``KL(uniform || mean softmax)`` over the batch: DivideMix's regulariser against collapse."""
+    mean_probs = torch.softmax(logits.float(), dim=1).mean(0)
+    prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
+    return (prior * (prior.log() - mean_probs.clamp_min(1e-12).log())).sum()
+
+
+def negative_entropy(logits: Tensor) -> Tensor:
+    """Mean over the batch of ``sum_c p_c log p_c`` (DivideMix's warm-up penalty for asymmetric noise)."""
+    log_p = F.log_softmax(logits.float(), dim=1)
+    return (log_p.exp() * log_p).sum(1).mean()

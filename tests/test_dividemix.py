@@ -1,0 +1,65 @@
+"""DivideMix's pieces: the GMM split on losses, co-refinement, co-guessing, the penalties."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import pytest
+import torch
+
+from lpa3_lightning import dividemix
+from lpa3_lightning.dividemix import (
+    clean_probability,
+    co_guess,
+    co_refine,
+    negative_entropy,
+    normalized_losses,
+    prior_penalty,
+)
+from lpa3_lightning.mixmatch import sharpen
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(dividemix).failed == 0
+
+
+def test_the_gmm_finds_the_low_loss_mode_of_a_noisy_set():
+    g = torch.Generator().manual_seed(0)
+    clean = 0.2 + 0.05 * torch.randn(800, generator=g)  # 80% clean labels: low loss
+    noisy = 2.5 + 0.4 * torch.randn(200, generator=g)  # 20% noisy: high loss
+    losses = normalized_losses(torch.cat([clean, noisy]))
+    assert float(losses.min()) == 0.0 and float(losses.max()) == 1.0
+    w = clean_probability(losses)
+    assert w.shape == (1000,) and w.dtype == torch.float32
+    predicted_clean = w > 0.5
+    assert float(predicted_clean[:800].float().mean()) > 0.99 and float(predicted_clean[800:].float().mean()) < 0.01
+    assert torch.equal(w, clean_probability(losses))  # seeded: the same split again
+
+
+def test_the_gmm_refuses_bad_losses():
+    with pytest.raises(ValueError, match="1-D"):
+        clean_probability(torch.zeros(1))
+    with pytest.raises(ValueError, match="NaN"):
+        clean_probability(torch.tensor([0.1, float("nan"), 0.3]))
+
+
+def test_co_refinement_and_co_guessing_against_their_formulas():
+    labels = torch.tensor([0, 2])
+    views = torch.softmax(torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(1)), dim=2)
+    w = torch.tensor([1.0, 0.25])
+    refined = co_refine(labels, views, w, temperature=0.5)
+    assert torch.allclose(refined[0], torch.tensor([1.0, 0.0, 0.0]))  # w = 1 keeps the label
+    mix = 0.25 * torch.tensor([0.0, 0.0, 1.0]) + 0.75 * views[:, 1].mean(0)
+    assert torch.allclose(refined[1], mix ** 2 / (mix ** 2).sum())
+    other = torch.softmax(torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(2)), dim=2)
+    assert torch.allclose(co_guess(views, other), sharpen((views.sum(0) + other.sum(0)) / 4, 0.5))
+    with pytest.raises(ValueError, match="one shape"):
+        co_guess(views, other[:1])
+
+
+def test_prior_penalty_is_zero_for_uniform_mean_predictions_and_negative_entropy_is_minus_entropy():
+    assert abs(float(prior_penalty(torch.zeros(4, 5)))) < 1e-7
+    confident = torch.tensor([[10.0, 0.0], [10.0, 0.0]])  # mean prediction ~ (1, 0)
+    assert float(prior_penalty(confident)) > 1.0
+    assert abs(float(negative_entropy(torch.zeros(3, 4))) + math.log(4)) < 1e-6
