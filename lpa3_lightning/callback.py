@@ -130,7 +130,7 @@ class LPA3Callback(Callback):
         fast: the cheaper solver of :func:`~lpa3_lightning.attack.lpa3_attack` (``fast=True``):
             one finite-difference forward in all, farthest feasible iterate instead of a bisection.
         max_step: largest L2 length of one solver step (see
-            :func:`~lpa3_lightning.attack.lpa3_attack`): ``"auto"`` (default) 1% of the input
+            :func:`~lpa3_lightning.attack.lpa3_attack`): ``"auto"`` (default) 2% of the input
             box's diagonal; None is the authors' unbounded step, which turns samples the model
             is saturated on into clipped noise; or a number.
         allow_tf32: let the solver use TF32 on CUDA; False (default) computes it in full

@@ -402,7 +402,7 @@ def test_a_max_step_longer_than_any_step_changes_nothing_and_a_short_one_does():
 
 @pytest.mark.parametrize("box", [(-1.0, 1.0), None])
 def test_auto_max_step_is_the_default_and_bounds_the_move(box):
-    """Out of the box no x' becomes clipped noise: five steps of at most 1% of the box diagonal."""
+    """Out of the box no x' becomes clipped noise: five steps of at most 2% of the box diagonal."""
     net = confident_cnn()
     x, y = confident_batch()
     if box is not None:
@@ -414,7 +414,7 @@ def test_auto_max_step_is_the_default_and_bounds_the_move(box):
         diagonal = (box[1] - box[0]) * x[0].numel() ** 0.5  # computed here, not by auto_max_step
     else:
         diagonal = 4.0 * float(x.flatten(1).var(dim=0, unbiased=False).sum().sqrt())
-    bound = 0.01 * x[0].numel() ** 0.5 + 5 * 0.01 * diagonal
+    bound = 0.01 * x[0].numel() ** 0.5 + 5 * 0.02 * diagonal
     l2 = (default - x).flatten(1).norm(dim=1)
     assert float(l2.max()) <= bound + 1e-4
     free = lpa3_attack(net, x, y, input_range=box, max_step=None, generator=gen().manual_seed(0))
