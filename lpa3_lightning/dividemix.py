@@ -25,6 +25,8 @@ __all__ = ["clean_probability", "co_guess", "co_refine", "negative_entropy", "no
 
 def normalized_losses(losses: Tensor) -> Tensor:
     """Min-max normalised per-sample losses, in ``[0, 1]`` (a constant vector gives zeros)."""
+    if losses.dim() != 1 or losses.numel() == 0:
+        raise ValueError(f"`losses` must be a non-empty 1-D tensor of per-sample losses, got shape {tuple(losses.shape)}.")
     low, high = losses.min(), losses.max()
     return (losses - low) / (high - low).clamp_min(torch.finfo(losses.dtype).tiny)
 

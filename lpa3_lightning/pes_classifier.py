@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics.classification import MulticlassAccuracy
 
 from lpa3_lightning.classifier import check_datamodule_agrees
-from lpa3_lightning.dual_bn import convert_dual_bn
+from lpa3_lightning.dual_bn import anchor_twin_parameters, convert_dual_bn, has_dual_bn
 from lpa3_lightning.fixmatch_classifier import build_ssl_backbone
 from lpa3_lightning.mixins.base import split_indexed_batch
 from lpa3_lightning.mixins.pes import PESLPA3Mixin
@@ -25,16 +28,19 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
     (manual, two optimizers): SGD (lr 0.02, momentum 0.9, weight decay 5e-4) with cosine
     annealing to ``lr / 100`` over the epochs outside the refine phase, stepped once an epoch,
     for the early and semi-supervised phases; Adam (lr 1e-4) on the re-initialised head alone,
-    the rest frozen, in the refine phase. The head is re-initialised in place, so SGD trains it
-    in the semi-supervised phase (the authors' script builds its SGD before swapping in a new
-    head, which is then never updated; ``freeze_head_in_semi=True`` reproduces that). Training
+    the rest left as it is, in the refine phase. The head is re-initialised in place, so SGD trains it
+    in the semi-supervised phase, from fresh momentum (the authors' script builds its SGD before
+    swapping in a new head, which is then never updated; ``freeze_head_in_semi=True`` reproduces
+    that). In the refine phase every parameter gets its gradient (so DDP needs no unused-parameter
+    search) and Adam applies the head's; the rest stays as the early phase left it. Training
     batches are ``(x_view1, x_view2, noisy_label, index)``; validation and test batches
     ``(x, y, index)`` with clean labels. Logs ``train/loss``, its parts, ``train/labeled_share``,
     ``val/acc`` and ``test/acc`` (torchmetrics). With ``LPA3Callback``, set its
     ``warmup_epochs`` to ``early_epochs + refine_epochs``: x' are used from the semi phase on.
 
     Args:
-        arch: ``"small_cnn"``, ``"wrn28_2"`` or ``"wrn28_8"`` (see ``build_ssl_backbone``).
+        arch: ``"small_cnn"``, ``"preact_resnet18"`` (the paper's noisy-label backbone), ``"wrn28_2"``
+            or ``"wrn28_8"`` (see ``build_ssl_backbone``).
         in_channels: image channels.
         num_classes: classes.
         num_samples: training set size (the split and the TCS memory are over it); None: the data
@@ -48,7 +54,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         lambda_u: unlabeled loss weight after the ramp (authors: 150).
         temperature: sharpening temperature (0.5).
         alpha: mixup Beta parameter (4); ``alpha_late`` (0.75) from ``alpha_late_epoch``
-            (None: half of ``max_epochs``, as the authors; a negative value never switches).
+            (None: half-way through the epochs outside the refine phase, as the authors' epoch
+            150 of 300; a negative value never switches).
         rampup_epochs: ramp length of the unlabeled weight (16).
         lpa3_mixup: mix the ``x'`` up with the labeled views (authors) or train them unmixed.
         freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
@@ -140,25 +147,59 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         return [sgd, adam], [scheduler]
 
     def on_fit_start(self) -> None:
+        self._pes_sizes()  # a missing training-set size is named now, not at the semi phase
         arg = self._alpha_late_epoch_arg
         max_epochs = self.trainer.max_epochs or 0
-        self.pes_alpha_late_epoch = (max_epochs // 2 if max_epochs > 0 else None) if arg is None else \
-            (None if arg < 0 else int(arg))
+        counted = max_epochs - self.pes_refine_epochs  # the authors' refine epochs are not outer epochs
+        self.pes_alpha_late_epoch = (self.pes_refine_epochs + counted // 2 if counted > 0 else None) if arg is None \
+            else (None if arg < 0 else int(arg))
+        from lpa3_lightning.callback import LPA3Callback
+
+        callbacks = [c for c in self.trainer.callbacks if isinstance(c, LPA3Callback)]
+        for callback in callbacks:
+            if callback.warmup_epochs < self.pes_semi_start:
+                rank_zero_warn(f"LPA3Callback(warmup_epochs={callback.warmup_epochs}) attacks before PES's semi-supervised "
+                               f"phase (epoch {self.pes_semi_start}), where no x' is trained: the attacks are wasted. "
+                               f"Fix: LPA3Callback(warmup_epochs={self.pes_semi_start}).")
+        # Without the callback nothing ties the twins into the loss; under DDP an unused
+        # parameter stalls the gradient reducer, so anchor them (the callback does it itself).
+        self._anchored = not callbacks and has_dual_bn(self.model) and self.trainer.world_size > 1
+        if self._anchored:
+            anchor_twin_parameters(self.model, True)
+
+    def on_fit_end(self) -> None:
+        if getattr(self, "_anchored", False):
+            anchor_twin_parameters(self.model, False)
+
+    def _prediction_loader(self) -> DataLoader:
+        """Every training sample once, in order (the training loader drops its last partial
+        batch, which would leave samples out of the split); split across the ranks under DDP."""
+        train = self.trainer.train_dataloader
+        dataset, batch_size = train.dataset, train.batch_size or 64
+        sampler = None
+        if self.trainer.world_size > 1:
+            sampler = DistributedSampler(dataset, num_replicas=self.trainer.world_size, rank=self.global_rank,
+                                         shuffle=False, drop_last=False)
+        return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=0)
 
     def on_train_epoch_start(self) -> None:
         epoch = self.current_epoch
-        self.pes_begin_epoch(epoch, self.trainer.train_dataloader)
-        refine = self.pes_phase(epoch) == "refine"
-        head = {id(p) for p in self.pes_head().parameters()}
-        for p in self.model.parameters():
-            p.requires_grad_(not refine or id(p) in head)
+        self.pes_begin_epoch(epoch, self._prediction_loader() if self.pes_phase(epoch) == "semi" else [])
+        if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
+            sgd, _ = self.optimizers()  # type: ignore[misc]
+            for p in self.pes_head().parameters():  # the re-initialised head starts without momentum
+                sgd.optimizer.state.pop(p, None)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss, parts = self.pes_loss(batch, batch_idx, int(self.trainer.num_training_batches))
+        batches = self.trainer.num_training_batches
+        loss, parts = self.pes_loss(batch, batch_idx, int(batches) if math.isfinite(batches) else 1)
         sgd, adam = self.optimizers()  # type: ignore[misc]
         phase = self.pes_phase(self.current_epoch)
+        # refine: every parameter gets its gradient (DDP needs them all in the graph), Adam
+        # updates the head only; the rest stays as the early phase left it
         optimizer = adam if phase == "refine" else sgd
-        optimizer.zero_grad()
+        sgd.zero_grad()
+        adam.zero_grad()
         self.manual_backward(loss)
         if phase == "semi" and self.hparams.freeze_head_in_semi:
             for p in self.pes_head().parameters():
@@ -173,8 +214,6 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         if self.pes_phase(self.current_epoch) != "refine":
             scheduler = self.lr_schedulers()
             scheduler.step()  # type: ignore[union-attr]
-        for p in self.model.parameters():
-            p.requires_grad_(True)
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -27,7 +27,9 @@ def test_each_noisy_config_parses(config, tmp_path):
     if callbacks:
         # x' are used from the semi-supervised phase on: the attack's warm-up covers the two first phases
         assert callbacks[0].warmup_epochs == model.pes_early_epochs + model.pes_refine_epochs
+        # the paper's appendix (noisy-label learning): sigma 0.002 on CIFAR-10, 0.02 on CIFAR-100; tau 90%
         assert callbacks[0].sigma == (0.002 if config.startswith("cifar10_") else 0.02)
+        assert callbacks[0].ratio == 0.9 and callbacks[0].steps == 5
     if config.startswith("cifar"):
         assert data.noise_convention == "any" and model.hparams.arch == "preact_resnet18"
 

@@ -4,11 +4,13 @@
 
 One YAML per paper row of LP-A3's noisy-label table (Yang et al., NeurIPS 2022, Table 2:
 CIFAR-10 and CIFAR-100 with 50%, 80% and 90% symmetric noise; plus CIFAR-10 with 40%
-asymmetric noise, a standard row of PES and DivideMix), PES with and without LP-A3, with the
-settings of the authors' PES + LP-A3 code (PreAct ResNet-18, 300 epochs, batch 128, SGD 0.02 with
-cosine annealing, T1 = 20 epochs on CIFAR-10 and 35 on CIFAR-100, T2 = 5, lambda_u 150, mixup
-alpha 4 then 0.75 from epoch 150, temperature 0.5; LP-A3 sigma 0.002 on CIFAR-10 and 0.02 on
-CIFAR-100, ratio 0.9, 5 steps, lam 1). The paper's symmetric noise follows the authors' noise code:
+asymmetric noise, DivideMix's standard asymmetric row, which the LP-A3 paper does not report),
+PES with and without LP-A3, with the settings of the authors' PES + LP-A3 code (PreAct
+ResNet-18, 300 epochs, batch 128, SGD 0.02 with cosine annealing, T1 = 20 epochs on CIFAR-10 and
+35 on CIFAR-100, T2 = 5, lambda_u 150, mixup alpha 4 then 0.75 from epoch 150, temperature 0.5,
+5 solver steps, lam 1) and the paper's (appendix, noisy-label learning: sigma 0.002 on CIFAR-10
+and 0.02 on CIFAR-100, tau = 90%, so ratio 0.9; the authors' PES code attacks every unlabeled
+sample, `ratio: 1.0` does the same). The paper's symmetric noise follows the authors' noise code:
 a label is re-drawn uniformly over all classes (``noise_convention: any``). Plus CPU rows on
 MNIST-5k (shipped; 50% and 80% symmetric noise, always a wrong label) and PneumoniaMNIST (40% of
 the labels flipped), with a small CNN and a schedule scaled to minutes (early 10, refine 2, 40

@@ -18,7 +18,7 @@ Two kinds, as in the noisy-label literature:
   share of the mapped classes). Built-in mappings (:data:`ASYMMETRIC_MAPPINGS`):
 
   - ``"cifar10"``: truck -> automobile, bird -> airplane, deer -> horse, cat <-> dog (Patrini
-    et al., CVPR 2017, used by DivideMix and PES);
+    et al., CVPR 2017; DivideMix's 40% asymmetric row);
   - ``"digits"``: 2 -> 7, 3 -> 8, 5 <-> 6, 7 -> 1 (the MNIST mapping of Ma et al., ICML 2020,
     "Normalized loss functions");
   - ``"binary"``: class 1 -> class 0 (for a two-class set, e.g. PneumoniaMNIST's pneumonia

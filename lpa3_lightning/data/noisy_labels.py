@@ -179,8 +179,9 @@ class NoisyLabelDataModule(pl.LightningDataModule):
     def _draw_or_read(self, clean: np.ndarray) -> np.ndarray:
         meta = self._noise_meta()
         if self.noise_file is not None and self.noise_file.is_file():
-            labels, _ = load_noisy_labels(self.noise_file, clean,
-                                          expected={k: meta[k] for k in ("source", "mode", "rate")})
+            # the seed may differ (a file is the way to reuse noise); what the noise is may not
+            labels, _ = load_noisy_labels(self.noise_file, clean, expected={
+                k: meta[k] for k in ("source", "mode", "rate", "convention", "mapping")})
             return labels
         labels = noisy_labels(clean, self.noise_rate, self.num_classes, self.seed, self.noise_mode,
                               self.noise_convention, self.noise_mapping or "binary")

@@ -19,13 +19,18 @@ PES trains on noisy labels in three phases (by epoch):
 **LP-A3** (the authors' PES code): the unlabeled samples are attacked with their guessed
 label (the argmax of the sharpened guess) as the label to preserve; each ``x'`` joins a second
 mixup batch (the labeled views and the ``x'``, with the same ``l``) whose mixed ``x'`` rows add
-a probability MSE against the guess, with the unlabeled loss's weight and ramp. Departures, each
+a probability MSE against the guess, with the unlabeled loss's weight and ramp (a fresh
+permutation pairs them: the authors reuse the clean mixup's, over a batch of another size here,
+as only the selected ``x'`` are in it). Departures, each
 with its reason: one view of each unlabeled sample is attacked (the authors attack both: twice
 the solver's cost for a second view of the same image); the ``x'`` go through the solver's
 verified forward (see :mod:`lpa3_lightning.augmented_forward`), and ``lpa3/label_preserved`` is
 measured on the unmixed ``x'`` in that forward (a no-grad pass); the callback's TCS selection
 applies (the authors attack every unlabeled sample: ``ratio=1.0`` does the same);
-``pes_lpa3_mixup=False`` trains the unmixed ``x'`` against the guess instead.
+``pes_lpa3_mixup=False`` trains the unmixed ``x'`` against the guess instead. The TCS memory
+is fed by every row's logits in the first two phases and by the unlabeled rows' guessing
+forward after, so its threshold is over the whole training set (the labeled rows' scores keep
+their last value).
 
 Batches are ``(x_view1, x_view2, noisy_label, index)`` over the whole training set; the module
 splits each batch with its per-sample labeled mask (so the labeled share of a batch follows
@@ -45,6 +50,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.augmented_forward import augmented_logits
+from lpa3_lightning.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.mixins.base import LPA3ModuleMixin
 from lpa3_lightning.mixmatch import (
     agreement_split,
@@ -203,6 +209,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         try:
             for batch in loader:
                 x1, x2, y, idx = (t.to(device) for t in split_two_view_batch(batch))
+                check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
+                check_class_labels(y, num_classes, name="noisy labels")
                 probs = (torch.softmax(self.lpa3_logits(model(x1)).float(), 1)
                          + torch.softmax(self.lpa3_logits(model(x2)).float(), 1)) / 2
                 sums.index_add_(0, idx, probs)
@@ -278,6 +286,9 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share`` and ``num_augmented``.
         """
         x1, x2, y, idx = split_two_view_batch(batch)
+        num_samples, num_classes_ = self._pes_sizes()
+        check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
+        check_class_labels(y, num_classes_, name="noisy labels")
         model = self.lpa3_model()
         epoch = self.pes_current_epoch()
         zero = x1.new_zeros(())
@@ -340,8 +351,9 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
             logits_fn=self.lpa3_logits, train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
         )
-        with torch.no_grad():  # lpa3/label_preserved: the unmixed x' in the same forward
-            self.lpa3_forward_augmented(augmented)
+        if self.lpa3_train_forward == "verified":  # lpa3/label_preserved: the unmixed x' in the same forward
+            with torch.no_grad():  # (in "batch_stats" it would move the running statistics once more)
+                self.lpa3_forward_augmented(augmented)
         return probability_mse(logits, mixed_t[rows])
 
     # ------------------------------------------------------------------ checkpoint

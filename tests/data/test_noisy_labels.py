@@ -66,3 +66,11 @@ def test_state_dict_restores_the_noisy_labels_of_a_checkpoint(dm):
     assert torch.equal(fresh.train_dataset.labels, torch.as_tensor(dm.noisy_train_labels))
     with pytest.raises(ValueError, match="source"):
         fresh.load_state_dict({**state, "source": "cifar10"})
+
+
+def test_a_noise_file_of_another_convention_is_refused(tmp_path):
+    path = tmp_path / "noise.json"
+    NoisyLabelDataModule("mnist5k", noise_rate=0.5, noise_file=str(path)).setup("fit")
+    other = NoisyLabelDataModule("mnist5k", noise_rate=0.5, noise_convention="any", noise_file=str(path))
+    with pytest.raises(ValueError, match="convention='other', not convention='any'"):
+        other.setup("fit")

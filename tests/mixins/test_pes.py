@@ -183,3 +183,87 @@ def test_without_the_callback_it_is_plain_pes_and_the_split_is_in_the_checkpoint
     trainer.save_checkpoint(path)
     restored = PESClassifier.load_from_checkpoint(path, model=_net())
     assert torch.equal(restored._pes_labeled, module._pes_labeled.cpu())
+
+
+class PlainTwoViews(Dataset):
+    """Noise-free views (view1 = view2 = x), so the split can be recomputed exactly."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.inner = NoisyTwoViews(n)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        x, _, idx = self.inner.data[i]
+        return x, x.clone(), self.inner.noisy[i], idx
+
+
+class EpochStartSnapshot(pl.Callback):
+    """The model as it is at the start of each epoch (callbacks run before the module's hook)."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, nn.Module] = {}
+        self.lrs: dict[int, float] = {}
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.models[trainer.current_epoch] = copy.deepcopy(pl_module.model)
+        self.lrs[trainer.current_epoch] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_refine_changes_the_head_only_and_the_split_covers_samples_the_loader_drops(tmp_path):
+    pl.seed_everything(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
+                           twin_bn=False)
+    snapshots = EpochStartSnapshot()
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[snapshots])
+    # batch 10 with drop_last: 8 of the 48 samples are left out of every training epoch
+    trainer.fit(module, DataLoader(PlainTwoViews(), batch_size=10, shuffle=True, drop_last=True))
+    before, after = snapshots.models[1].state_dict(), snapshots.models[2].state_dict()
+    head = {"9.weight", "9.bias"}  # the nn.Linear of _net()
+    for name, value in before.items():
+        if name in head:
+            assert not torch.equal(value, after[name]), name  # re-initialised and trained
+        elif "running" not in name and "num_batches" not in name:
+            assert torch.equal(value, after[name]), name  # the backbone did not move in the refine phase
+    assert snapshots.lrs[1] == snapshots.lrs[2]  # the cosine schedule pauses in the refine phase
+    # the split of epoch 2, recomputed from the model at the start of epoch 2 over all 48 samples
+    data = PlainTwoViews()
+    x = torch.stack([data[i][0] for i in range(48)])
+    noisy = torch.stack([data[i][2] for i in range(48)])
+    model = snapshots.models[2].eval()
+    with torch.no_grad():
+        expected = model(x).argmax(1) == noisy
+    assert torch.equal(module._pes_labeled.cpu(), expected)
+
+
+def test_the_unmixed_lpa3_term_is_the_mse_of_the_x_prime_against_their_guess():
+    torch.manual_seed(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
+                           refine_epochs=0, lambda_u=2.0, rampup_epochs=1, lpa3_mixup=False)
+    module.pes_current_epoch = lambda: 5  # type: ignore[method-assign]  # ramp done: weight 2
+    batch = next(iter(DataLoader(PlainTwoViews(), batch_size=12)))
+    x1, _, y, idx = batch
+    labeled = torch.zeros(48, dtype=torch.bool)
+    labeled[idx[:4]] = True
+    module._pes_labeled, module._pes_class_weights = labeled, torch.ones(NUM_CLASSES)
+    request = module.lpa3_request(batch)  # the unlabeled rows with their guessed label
+    assert torch.equal(request.indices, idx[4:])
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[[1, 3, 6]] = True
+    from lpa3_lightning.augmented import AugmentedBatch
+    from lpa3_lightning.augmented_forward import running_statistics
+
+    model = module.model
+    x_adv = request.inputs[mask] + 0.01
+    module.lpa3_set_augmented(AugmentedBatch(inputs=x_adv, targets=request.targets[mask], indices=request.indices[mask],
+                                             mask=mask, bn_mode="eval", bn_statistics=running_statistics(model)))
+    guess = module.pes_guess(batch)[mask]
+    reference = copy.deepcopy(model).eval()  # BN on the running statistics, as the eval-mode solver
+    with torch.no_grad():
+        expected = (torch.softmax(reference(x_adv), 1) - guess).pow(2).mean()
+    torch.manual_seed(1)
+    _, parts = module.pes_loss(batch, batch_idx=0, batches_per_epoch=1)
+    assert torch.allclose(parts["loss_lpa3"], expected, atol=1e-6)
+    assert float(parts["num_augmented"]) == 3
