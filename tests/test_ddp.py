@@ -151,7 +151,7 @@ def test_a_user_written_module_trains_through_warmup_under_ddp(tmp_path):
     assert "lpa3/label_preserved_epoch" in rank0["metrics"]
 
 
-@pytest.mark.parametrize("mode, reason", [("bad_index_rank1", "Dataset indices out of range"),
+@pytest.mark.parametrize("mode, reason", [("bad_index_rank1", "LPA3Request.indices` out of range"),
                                           ("crash_rank1", "lpa3_request failed on one rank")])
 def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
     done = _run(tmp_path, mode)
