@@ -126,13 +126,43 @@ def summarize(results: list[dict]) -> str:
         for seed in sorted({r["seed"] for r in results if (r["source"], r["labels"]) == (source, labels)}):
             pair = {r["method"]: r for r in results if (r["source"], r["labels"], r["seed"]) == (source, labels, seed)}
             if set(METHODS) <= set(pair):
-                target = pair["fixmatch"]["final_test_acc"]
-                base = next(row for row in pair["fixmatch"]["curve"] if row["test_acc"] >= target)
-                hit = next((row for row in pair["fixmatch_lpa3"]["curve"] if row["test_acc"] >= target), None)
-                reached = "never" if hit is None else (f"step {hit['step']} ({hit['train_seconds']:.0f} s)")
-                notes.append(f"{source} {labels} labels seed {seed}: FixMatch final {target:.3f} first at step "
-                             f"{base['step']} ({base['train_seconds']:.0f} s); FixMatch + LP-A3 reached it: {reached}")
+                for key, name in (("test_acc", "EMA"), ("raw_test_acc", "raw")):
+                    target = pair["fixmatch"]["curve"][-1][key]
+                    base = next(row for row in pair["fixmatch"]["curve"] if row[key] >= target)
+                    hit = next((row for row in pair["fixmatch_lpa3"]["curve"] if row[key] >= target), None)
+                    reached = "never" if hit is None else (f"step {hit['step']} ({hit['train_seconds']:.0f} s)")
+                    notes.append(f"{source} {labels} labels seed {seed} ({name} weights): FixMatch final {target:.3f} "
+                                 f"first at step {base['step']} ({base['train_seconds']:.0f} s); FixMatch + LP-A3 "
+                                 f"reached it: {reached}")
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def plot_convergence(results: list[dict], path: Path) -> Path:
+    """Test accuracy against steps and against training seconds, one line per method and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["source"], r["labels"]) for r in results})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.2 * len(groups)), squeeze=False)
+    for row, (source, labels) in enumerate(groups):
+        for r in (r for r in results if (r["source"], r["labels"]) == (source, labels)):
+            color = "tab:blue" if r["method"] == "fixmatch" else "tab:red"
+            for col, x_key in enumerate(("step", "train_seconds")):
+                xs = [c[x_key] for c in r["curve"]]
+                axes[row][col].plot(xs, [c["raw_test_acc"] for c in r["curve"]], color=color, alpha=0.8,
+                                    label=f"{r['method']} seed {r['seed']} (raw weights)")
+                axes[row][col].plot(xs, [c["test_acc"] for c in r["curve"]], color=color, alpha=0.4, linestyle=":")
+        for col, x_label in enumerate(("optimizer step", "training seconds")):
+            axes[row][col].set_xlabel(x_label)
+            axes[row][col].set_ylabel(f"{source} {labels} labels: test accuracy")
+        axes[row][0].legend(fontsize=6)
+    fig.suptitle("solid: raw weights, dotted: EMA 0.999; blue FixMatch, red FixMatch + LP-A3")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def main() -> None:
@@ -152,6 +182,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ssl_runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="write the convergence plot (PNG) here")
     parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source labels method seed
     args = parser.parse_args()
     if args.threads:
@@ -183,6 +214,8 @@ def main() -> None:
     results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources
                and (r["method"] == "fixmatch" or r["regenerate_every_n_epochs"] == args.regenerate)]
     print(summarize(results))
+    if args.plot and results:
+        print(f"plot: {plot_convergence(results, args.plot)}")
 
 
 if __name__ == "__main__":
