@@ -42,6 +42,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from lpa3_lightning.data.label_split import write_json_atomically
+
 __all__ = [
     "ASYMMETRIC_MAPPINGS",
     "clean_labels_fingerprint",
@@ -178,17 +180,7 @@ def save_noisy_labels(path: str | os.PathLike, noisy: np.ndarray | torch.Tensor,
                          f"{clean_arr.shape}. Fix: pass the output of noisy_labels and its input.")
     payload = {"format": _FORMAT, "version": _VERSION, "meta": dict(meta),
                "clean_sha256": clean_labels_fingerprint(clean_arr), "labels": [int(v) for v in noisy_arr]}
-    try:
-        text = json.dumps(payload)
-    except TypeError as err:
-        raise ValueError(f"`meta` must hold JSON values (str, int, float, bool, lists): {err}. "
-                         "Fix: convert numpy scalars with int()/float().") from None
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    return write_json_atomically(path, payload)
 
 
 def load_noisy_labels(path: str | os.PathLike, clean: np.ndarray | torch.Tensor,

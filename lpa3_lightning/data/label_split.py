@@ -128,8 +128,17 @@ def save_label_split(path: str | os.PathLike, indices: np.ndarray | Sequence[int
                          f"{idx.shape}. Fix: pass the positions returned by stratified_label_split.")
     payload = {"format": _SPLIT_FORMAT, "version": _SPLIT_VERSION, "meta": dict(meta),
                "indices": sorted(int(i) for i in idx)}
+    return write_json_atomically(path, payload, indent=1)
+
+
+def write_json_atomically(path: str | os.PathLike, payload: Mapping[str, Any], indent: int | None = None) -> Path:
+    """Write ``payload`` as JSON through a temporary file and a rename (a reader never sees half a file).
+
+    Raises:
+        ValueError: if the payload's ``meta`` holds values JSON cannot store, naming the fix.
+    """
     try:
-        text = json.dumps(payload, indent=1)
+        text = json.dumps(payload, indent=indent)
     except TypeError as err:
         raise ValueError(f"`meta` must hold JSON values (str, int, float, bool, lists): {err}. "
                          "Fix: convert numpy scalars with int()/float().") from None
