@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.augmented_forward import TrainForward, augmented_logits
 from lpa3_lightning.features import output_to_logits
 
-__all__ = ["LPA3ModuleMixin", "REQUIRED_METHODS", "split_indexed_batch"]
+__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "split_indexed_batch"]
 
 
 def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -43,6 +44,26 @@ def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         "dataset in `lpa3_lightning.data.IndexedDataset` so batches are (x, y, index), or return a dict with "
         "keys 'input', 'target', 'index'."
     )
+
+class BatchNormStatisticsFrozen:
+    """Leave every BatchNorm's running statistics (and batch count) as they are during a forward
+    in train mode (momentum 0), e.g. the no-grad pseudo-label forwards of FixMatch and PES."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+
+    def __enter__(self) -> None:
+        self.saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+                      for m in self.norms]
+        for m in self.norms:
+            m.momentum = 0.0  # running = (1 - 0) * running
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, (momentum, tracked) in zip(self.norms, self.saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
 
 #: Methods the callback calls; checked in ``LPA3Callback.setup``.
 REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_logits", "lpa3_set_augmented", "lpa3_pop_predictions")

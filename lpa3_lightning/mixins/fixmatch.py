@@ -32,11 +32,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.checks import check_class_labels
-from lpa3_lightning.mixins.base import LPA3ModuleMixin
+from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
 
@@ -118,18 +117,8 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         if cached is not None and cached[0] is x_weak:
             return cached[1]
         model = self.lpa3_model()
-        norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-        saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
-        try:
-            for m in norms:
-                m.momentum = 0.0  # running = (1 - 0) * running: unchanged
-            with torch.no_grad():
-                logits = self.lpa3_logits(model(x_weak)).detach()
-        finally:
-            for m, (momentum, tracked) in zip(norms, saved):
-                m.momentum = momentum
-                if tracked is not None:
-                    m.num_batches_tracked.copy_(tracked)
+        with BatchNormStatisticsFrozen(model), torch.no_grad():
+            logits = self.lpa3_logits(model(x_weak)).detach()
         self._fixmatch_weak = (x_weak, logits)
         return logits
 

@@ -46,12 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.augmented_forward import augmented_logits
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices
-from lpa3_lightning.mixins.base import LPA3ModuleMixin
+from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
 from lpa3_lightning.mixmatch import (
     agreement_split,
     class_balance_weights,
@@ -83,25 +82,6 @@ def split_two_view_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         "`lpa3_lightning.data.NoisyLabelDataModule`, or a dataset that returns two augmented views of each "
         "image, its noisy label and its dataset index."
     )
-
-
-class _FrozenBatchNormMoments:
-    """Leave BatchNorm running statistics unchanged during a no-grad guessing forward."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-
-    def __enter__(self) -> None:
-        self.saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-                      for m in self.norms]
-        for m in self.norms:
-            m.momentum = 0.0  # running = (1 - 0) * running
-
-    def __exit__(self, *exc: Any) -> None:
-        for m, (momentum, tracked) in zip(self.norms, self.saved):
-            m.momentum = momentum
-            if tracked is not None:
-                m.num_batches_tracked.copy_(tracked)
 
 
 class PESLPA3Mixin(LPA3ModuleMixin):
@@ -259,7 +239,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         if u1.shape[0] == 0:
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:
-            with _FrozenBatchNormMoments(model):
+            with BatchNormStatisticsFrozen(model):
                 logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
             probs = torch.softmax(logits, 1)
             guess = sharpen((probs[: u1.shape[0]] + probs[u1.shape[0]:]) / 2, self.pes_temperature)
