@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttackStats",
     "AugmentedBatch",
+    "DivideMixClassifier",
     "FixMatchClassifier",
     "LPA3Callback",
     "LPA3Classifier",
@@ -52,6 +53,10 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
         from lpa3_lightning.fixmatch_classifier import FixMatchClassifier
 
         return FixMatchClassifier
+    if name == "DivideMixClassifier":
+        from lpa3_lightning.dividemix_classifier import DivideMixClassifier
+
+        return DivideMixClassifier
     if name == "PESClassifier":
         from lpa3_lightning.pes_classifier import PESClassifier
 

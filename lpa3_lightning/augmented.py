@@ -51,6 +51,8 @@ class AugmentedBatch:
         allow_tf32: whether the solver ran with TF32 (the training forward matches it).
         reference_inputs: the clean selected samples (``M`` rows) whose twin statistics the
             solver froze; the training forward recomputes the statistics from them.
+        network: the network the ``x'`` were solved on, for a module with several
+            (:meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_networks`); None for one.
     """
 
     inputs: Tensor
@@ -63,6 +65,7 @@ class AugmentedBatch:
     bn_statistics: TwinStatistics | None = None
     allow_tf32: bool = False
     reference_inputs: Tensor | None = None
+    network: str | None = None
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])

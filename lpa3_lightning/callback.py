@@ -27,6 +27,7 @@ from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predic
 from lpa3_lightning.dual_bn import DualSyncBatchNorm, anchor_twin_parameters, has_dual_bn
 from lpa3_lightning.features import resolve_layers, unwrap_compiled
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
+from lpa3_lightning.networks import NetworkView, module_networks
 from lpa3_lightning.selection import check_initial_selection, check_ratio, check_threshold_rule
 from lpa3_lightning.tcs import TimeConsistency
 from lpa3_lightning.visualize import comparison_grid
@@ -187,6 +188,8 @@ class LPA3Callback(Callback):
         checkpoint_cache: bool = False,
         log_eval_preservation: bool = True,
     ) -> None:
+        # the settings, for the per-network callbacks of a module with several networks
+        self._settings = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, lam, temperature)
         if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
@@ -277,6 +280,31 @@ class LPA3Callback(Callback):
         self._warned_no_range = False
         self._epoch_metrics: dict[str, MeanMetric] = {}
         self._nonfinite_inputs_metric = SumMetric()
+        # several networks (module.lpa3_networks()): one callback of these settings per network
+        self._log_prefix = "lpa3/"
+        self._metric_prefix = "_lpa3_"
+        self._networks: dict[str, LPA3Callback] = {}
+        self._views: dict[str, NetworkView] = {}
+        self._network_states: dict[str, Any] | None = None  # loaded before setup created the networks
+
+    @property
+    def networks(self) -> dict[str, LPA3Callback]:
+        """The per-network callbacks (each with its ``tcs`` and ``cache``) of a module that
+        declares several networks; empty for a single network (this callback holds the state)."""
+        return dict(self._networks)
+
+    def _network_callback(self, name: str, position: int) -> LPA3Callback:
+        settings = dict(self._settings)
+        if settings["seed"] is not None:
+            settings["seed"] = settings["seed"] + 7919 * position  # independent noise and first selection
+        child = LPA3Callback(**settings)
+        child._log_prefix = f"lpa3/{name}/"
+        child._metric_prefix = f"_lpa3_{name}_"
+        return child
+
+    def _each_network(self, pl_module: pl.LightningModule) -> list[tuple[LPA3Callback, Any]]:
+        """(callback, view) per declared network, in the declared order (the same on every rank)."""
+        return [(child, self._views[name]) for name, child in self._networks.items()]
 
     @property
     def state_key(self) -> str:
@@ -288,6 +316,17 @@ class LPA3Callback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        names = None if isinstance(pl_module, NetworkView) else module_networks(pl_module)
+        if names is not None:
+            if list(self._networks) != list(names):
+                self._networks = {name: self._network_callback(name, k) for k, name in enumerate(names)}
+            self._views = {name: NetworkView(pl_module, name) for name in names}
+            if self._network_states is not None:
+                self._load_network_states(self._network_states)
+            for child, view in self._each_network(pl_module):
+                child.setup(trainer, view, stage)  # type: ignore[arg-type]
+            return
+        self._networks, self._views = {}, {}
         missing = [name for name in REQUIRED_METHODS if not callable(getattr(pl_module, name, None))]
         if missing:
             raise TypeError(
@@ -308,6 +347,10 @@ class LPA3Callback(Callback):
             self._epoch_metrics.pop("label_preserved_eval")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._networks:
+            for child, view in self._each_network(pl_module):
+                child.on_fit_start(trainer, view)  # type: ignore[arg-type]
+            return
         # After the strategy's setup: Trainer(sync_batchnorm=True) converts BN only now.
         model = unwrap_compiled(pl_module.lpa3_model())
         self._refuse_dropped_twins(model)
@@ -343,6 +386,10 @@ class LPA3Callback(Callback):
         self._teardown(pl_module)
 
     def _teardown(self, pl_module: pl.LightningModule) -> None:
+        if self._networks:
+            for child, view in self._each_network(pl_module):
+                child._teardown(view)  # type: ignore[arg-type]
+            return
         # the twin anchor is for the DDP fit only; a file cache is deleted with its run
         if callable(getattr(pl_module, "lpa3_model", None)):
             anchor_twin_parameters(unwrap_compiled(pl_module.lpa3_model()), False)
@@ -385,6 +432,16 @@ class LPA3Callback(Callback):
             ) from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._networks:
+            for child, view in self._each_network(pl_module):
+                child.on_train_start(trainer, view)  # type: ignore[arg-type]
+            return
+        if self._network_states is not None:
+            raise ValueError(
+                f"The checkpoint holds LPA3Callback state for the networks {sorted(self._network_states)}, but "
+                f"{type(pl_module).__name__} declares one network. Fix: resume with the module the checkpoint was "
+                "written with (its `lpa3_networks()`)."
+            )
         self._rank = trainer.global_rank
         if self._rng_to_restore is not None and self.restore_rng and trainer.world_size == 1:
             # Dropout, random transforms and un-seeded attacks continue the interrupted run's
@@ -427,6 +484,10 @@ class LPA3Callback(Callback):
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self._networks:
+            for child, view in self._each_network(pl_module):
+                child.on_train_batch_start(trainer, view, batch, batch_idx)  # type: ignore[arg-type]
+            return
         error: Exception | None = None
         request: LPA3Request | None = None
         memory = self._memory()
@@ -612,12 +673,12 @@ class LPA3Callback(Callback):
         metric = self._epoch_metrics.get(name)
         if metric is None:
             return
-        key = f"lpa3/{name}"
+        key = f"{self._log_prefix}{name}"
         if value is not None and weight > 0:
             value = torch.as_tensor(value, dtype=torch.float32, device=pl_module.device)
             metric.update(value, weight)
             pl_module.log(f"{key}_step", value, on_step=True, on_epoch=False, batch_size=weight)
-        pl_module.log(f"{key}_epoch", metric, on_step=False, on_epoch=True, metric_attribute=f"_lpa3_{name}")
+        pl_module.log(f"{key}_epoch", metric, on_step=False, on_epoch=True, metric_attribute=f"{self._metric_prefix}{name}")
 
     def _log_batch(self, pl_module: pl.LightningModule, request: LPA3Request, augmented: AugmentedBatch,
                    tcs_selected: int) -> None:
@@ -625,8 +686,8 @@ class LPA3Callback(Callback):
         self._log_mean(pl_module, "selected_fraction", len(augmented) / max(n, 1), n)
         self._log_mean(pl_module, "tcs_selected_fraction", tcs_selected / max(n, 1), n)
         self._nonfinite_inputs_metric.update(torch.tensor(float(self._nonfinite), device=pl_module.device))
-        pl_module.log("lpa3/nonfinite_inputs", self._nonfinite_inputs_metric, on_step=False, on_epoch=True,
-                      metric_attribute="_lpa3_nonfinite_inputs")
+        pl_module.log(f"{self._log_prefix}nonfinite_inputs", self._nonfinite_inputs_metric, on_step=False,
+                      on_epoch=True, metric_attribute=f"{self._metric_prefix}nonfinite_inputs")
         self._log_mean(pl_module, "reused_fraction", augmented.reused / max(len(augmented), 1), len(augmented))
         stats = augmented.stats
         solved = 0 if stats is None else len(stats.preserved)
@@ -664,6 +725,10 @@ class LPA3Callback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._networks:
+            for child, view in self._each_network(pl_module):
+                child.on_train_batch_end(trainer, view, outputs, batch, batch_idx)  # type: ignore[arg-type]
+            return
         predictions = pl_module.lpa3_pop_predictions()
         pending = getattr(pl_module, "lpa3_augmented_pending", None)
         untaken = bool(pending()) if callable(pending) else False  # the module chose not to train on x'
@@ -706,6 +771,10 @@ class LPA3Callback(Callback):
         return self.tcs
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._networks:
+            for child, view in self._each_network(pl_module):
+                child.on_train_epoch_end(trainer, view)  # type: ignore[arg-type]
+            return
         if self.tcs is None:
             return
         self.tcs.refresh_threshold()
@@ -713,11 +782,11 @@ class LPA3Callback(Callback):
                 and trainer.is_global_zero:
             self._log_grid(trainer, pl_module)
         # the counts are of all ranks' gathered predictions: equal on every rank, like the threshold
-        pl_module.log("lpa3/nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True,
+        pl_module.log(f"{self._log_prefix}nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True,
                       reduce_fx="max")
         self._nonfinite_predictions = 0
         if self.tcs.has_threshold:
-            pl_module.log("lpa3/threshold", float(self.tcs.threshold), sync_dist=True, reduce_fx="max")
+            pl_module.log(f"{self._log_prefix}threshold", float(self.tcs.threshold), sync_dist=True, reduce_fx="max")
 
     def _log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dataset = getattr(trainer.train_dataloader, "dataset", None)
@@ -745,13 +814,16 @@ class LPA3Callback(Callback):
         normalization = self._resolved_range if isinstance(self._resolved_range, Mapping) else None
         self.last_grid = comparison_grid(request.inputs, x_adv, normalization)
         if hasattr(logger, "log_image"):
-            logger.log_image(key="lpa3/examples", images=[self.last_grid], step=trainer.global_step)
+            logger.log_image(key=f"{self._log_prefix}examples", images=[self.last_grid], step=trainer.global_step)
         else:
-            logger.experiment.add_image("lpa3/examples (rows: x, x', |x'-x| stretched)", self.last_grid,
+            logger.experiment.add_image(f"{self._log_prefix}examples (rows: x, x', |x'-x| stretched)", self.last_grid,
                                         trainer.global_step)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
+        if self._networks:  # several networks: one single-network state per name
+            return {"version": _STATE_VERSION,
+                    "networks": {name: child.state_dict() for name, child in self._networks.items()}}
         generator_state = self._generator.get_state() if self._generator is not None else self._generator_state
         tcs_state = self.tcs.state_dict() if self.tcs is not None else None
         cache_state = self.cache.state_dict(include_inputs=self.checkpoint_cache) if self.cache is not None else None
@@ -760,6 +832,18 @@ class LPA3Callback(Callback):
                 "last_update_epoch": self._last_update_epoch.clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        networks = state_dict.get("networks")
+        if networks is not None:
+            if self._networks:
+                self._load_network_states(networks)
+            else:  # restored before setup saw the module: applied when the networks exist
+                self._network_states = dict(networks)
+            return
+        if self._networks:
+            raise ValueError(
+                f"The checkpoint holds LPA3Callback state for one network, but the module declares "
+                f"{list(self._networks)}. Fix: resume with the module the checkpoint was written with."
+            )
         self._restored = True
         tcs_state = state_dict.get("tcs")
         if tcs_state is not None:
@@ -782,3 +866,13 @@ class LPA3Callback(Callback):
             self.cache = AugmentationCache(int(cache_state["num_samples"]), self.regenerate_every_n_epochs,
                                            self.cache_max_bytes)
             self.cache.load_state_dict(cache_state)
+
+    def _load_network_states(self, states: Mapping[str, Any]) -> None:
+        if set(states) != set(self._networks):
+            raise ValueError(
+                f"The checkpoint holds LPA3Callback state for the networks {sorted(states)}, but the module declares "
+                f"{list(self._networks)}. Fix: resume with the module the checkpoint was written with."
+            )
+        for name, child in self._networks.items():
+            child.load_state_dict(states[name])
+        self._network_states = None

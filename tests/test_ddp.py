@@ -165,3 +165,22 @@ def test_fixmatch_under_ddp_keeps_one_tcs_memory_over_the_unlabeled_set(tmp_path
         assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
     assert rank0["tcs"]["num_samples"] == 64 and bool(rank0["tcs"]["seen"].all())  # both ranks' samples applied
     assert sum(p["num_augmented"] for p in rank0["parts"] + rank1["parts"]) > 0
+
+
+def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "dividemix")
+    assert set(rank0["tcs"]) == {"net1", "net2"}
+    for name in ("net1", "net2"):
+        for key in ("memory", "scores", "seen", "threshold"):
+            assert torch.equal(rank0["tcs"][name][key], rank1["tcs"][name][key]), (name, key)
+        assert bool(rank0["tcs"][name]["seen"].all())  # both ranks' samples applied to each memory
+        assert torch.equal(rank0["clean_prob"][name], rank1["clean_prob"][name])  # one split everywhere
+        cache0, cache1 = rank0["cache"][name], rank1["cache"][name]
+        assert torch.equal(cache0["written"], cache1["written"]) and bool((cache0["written"] >= 0).any())
+        assert torch.equal(cache0["storage"], cache1["storage"])
+    assert not torch.equal(rank0["tcs"]["net1"]["memory"], rank0["tcs"]["net2"]["memory"])
+    for key, value in rank0["params"].items():  # DDP kept the two replicas of both networks equal
+        assert torch.allclose(value.float(), rank1["params"][key].float(), atol=1e-6), key
+    for name in ("net1", "net2"):  # each network's epoch aggregates are synced across the ranks
+        key = f"lpa3/{name}/selected_fraction_epoch"
+        assert rank0["metrics"][key] == pytest.approx(rank1["metrics"][key]) and rank0["metrics"][key] > 0

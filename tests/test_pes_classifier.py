@@ -1,4 +1,4 @@
-"""The ready PES module from the command line: each noisy-label config parses and agrees with its data."""
+"""The ready PES and DivideMix modules from the command line: each noisy-label config parses and agrees with its data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lpa3_lightning import LPA3Callback, PESClassifier
+from lpa3_lightning import DivideMixClassifier, LPA3Callback, PESClassifier
 from lpa3_lightning.cli import build_cli
 from lpa3_lightning.data import NoisyLabelDataModule
 
@@ -19,14 +19,16 @@ def test_each_noisy_config_parses(config, tmp_path):
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.download=false",
             f"--data.init_args.noise_file={tmp_path / 'noise.json'}"]
     cli = build_cli(args, run=False)
-    assert isinstance(cli.model, PESClassifier) and isinstance(cli.datamodule, NoisyLabelDataModule)
+    expected = PESClassifier if "_pes" in config else DivideMixClassifier
+    assert isinstance(cli.model, expected) and isinstance(cli.datamodule, NoisyLabelDataModule)
     callbacks = [c for c in cli.trainer.callbacks if isinstance(c, LPA3Callback)]
     assert bool(callbacks) == config.endswith("_lpa3.yaml")
     model, data = cli.model, cli.datamodule
     assert model.hparams.num_classes == data.num_classes and model.hparams.in_channels == data.in_channels
     if callbacks:
         # x' are used from the semi-supervised phase on: the attack's warm-up covers the two first phases
-        assert callbacks[0].warmup_epochs == model.pes_early_epochs + model.pes_refine_epochs
+        start = model.pes_semi_start if isinstance(model, PESClassifier) else model.dividemix_warmup_epochs
+        assert callbacks[0].warmup_epochs == start
         # the paper's appendix (noisy-label learning): sigma 0.002 on CIFAR-10, 0.02 on CIFAR-100; tau 90%
         assert callbacks[0].sigma == (0.002 if config.startswith("cifar10_") else 0.02)
         assert callbacks[0].ratio == 0.9 and callbacks[0].steps == 5
@@ -50,3 +52,18 @@ def test_the_mnist5k_row_fits_from_the_command_line_for_one_epoch_of_each_phase(
     cli = build_cli(args, run=True)
     assert cli.trainer.current_epoch == 3 and "test/acc" in cli.trainer.callback_metrics  # test_after_fit ran
     assert (tmp_path / "noise.json").is_file()
+
+
+def test_dividemix_rows_carry_the_authors_settings_per_noise_level(tmp_path):
+    def model_of(name: str) -> DivideMixClassifier:
+        args = ["--config", str(CONFIGS / name), f"--trainer.default_root_dir={tmp_path}",
+                f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.download=false",
+                f"--data.init_args.noise_file={tmp_path / 'noise.json'}"]
+        return build_cli(args, run=False).model  # type: ignore[return-value]
+
+    sym90 = model_of("cifar10_sym90_dividemix.yaml")
+    assert (sym90.dividemix_lambda_u, sym90.dividemix_threshold, sym90.dividemix_loss_history) == (50.0, 0.6, 5)
+    asym = model_of("cifar10_asym40_dividemix.yaml")
+    assert asym.dividemix_lambda_u == 0.0 and asym.dividemix_negative_entropy
+    c100 = model_of("cifar100_sym80_dividemix_lpa3.yaml")
+    assert c100.dividemix_lambda_u == 150.0 and c100.dividemix_warmup_epochs == 30

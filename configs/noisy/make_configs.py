@@ -27,22 +27,78 @@ PAPER = {  # source -> (classes, sigma, T1, noise rows as (mode, rate))
     "cifar10": (10, 0.002, 20, (("symmetric", 0.5), ("symmetric", 0.8), ("symmetric", 0.9), ("asymmetric", 0.4))),
     "cifar100": (100, 0.02, 35, (("symmetric", 0.5), ("symmetric", 0.8), ("symmetric", 0.9))),
 }
+DIVIDEMIX = {  # (source, mode, rate) -> (lambda_u, threshold, epochs of loss history): DivideMix's settings
+    ("cifar10", "symmetric", 0.5): (25.0, 0.5, 1),
+    ("cifar10", "symmetric", 0.8): (25.0, 0.5, 1),
+    ("cifar10", "symmetric", 0.9): (50.0, 0.6, 5),
+    ("cifar10", "asymmetric", 0.4): (0.0, 0.5, 1),
+    ("cifar100", "symmetric", 0.5): (150.0, 0.5, 1),
+    ("cifar100", "symmetric", 0.8): (150.0, 0.5, 1),
+    ("cifar100", "symmetric", 0.9): (150.0, 0.6, 5),
+}
+DIVIDEMIX_WARMUP = {"cifar10": 10, "cifar100": 30}
 CPU = {  # source -> (classes, sigma, noise rows, training set size)
     "mnist5k": (10, 0.02, (("symmetric", 0.5), ("symmetric", 0.8)), 4000),
     "pneumoniamnist": (2, 0.02, (("symmetric", 0.4),), 4708),
 }
 
 
-def _yaml(name: str, *, source: str, arch: str, classes: int, channels: int, mode: str, rate: float, convention: str,
-          sigma: float | None, early: int, refine: int, epochs: int, batch: int, lambda_u: float, root: str | None,
-          note: str) -> str:
+def _pes_model(arch: str, classes: int, channels: int, early: int, refine: int, lambda_u: float) -> str:
+    return f"""model:
+  class_path: lpa3_lightning.PESClassifier
+  init_args:
+    arch: {arch}
+    in_channels: {channels}
+    num_classes: {classes}
+    lr: 0.02
+    momentum: 0.9
+    weight_decay: 0.0005
+    refine_lr: 0.0001
+    early_epochs: {early}
+    refine_epochs: {refine}
+    lambda_u: {lambda_u}
+    temperature: 0.5
+    alpha: 4.0
+    alpha_late: 0.75
+    rampup_epochs: 16.0
+    lpa3_mixup: true
+    twin_bn: true
+"""
+
+
+def _dividemix_model(arch: str, classes: int, channels: int, warmup: int, lambda_u: float, threshold: float,
+                     history: int, negative_entropy: bool) -> str:
+    return f"""model:
+  class_path: lpa3_lightning.DivideMixClassifier
+  init_args:
+    arch: {arch}
+    in_channels: {channels}
+    num_classes: {classes}
+    lr: 0.02
+    momentum: 0.9
+    weight_decay: 0.0005
+    warmup_epochs: {warmup}
+    lambda_u: {lambda_u}
+    threshold: {threshold}
+    temperature: 0.5
+    alpha: 4.0
+    rampup_epochs: 16.0
+    loss_history: {history}
+    negative_entropy: {str(negative_entropy).lower()}
+    lpa3_mixup: true
+    twin_bn: true
+"""
+
+
+def _yaml(name: str, *, source: str, model: str, mode: str, rate: float, convention: str, sigma: float | None,
+          lpa3_warmup: int, epochs: int, batch: int, root: str | None, note: str) -> str:
     lpa3 = "" if sigma is None else f"""    - class_path: lpa3_lightning.LPA3Callback
       init_args:
         ratio: 0.9
         sigma: {sigma}
         steps: 5
         lam: 1.0
-        warmup_epochs: {early + refine}
+        warmup_epochs: {lpa3_warmup}
 """
     root_line = f"    root: {root}\n" if root else ""
     return f"""# {note}
@@ -63,26 +119,7 @@ trainer:
 {lpa3}    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args:
         save_last: true
-model:
-  class_path: lpa3_lightning.PESClassifier
-  init_args:
-    arch: {arch}
-    in_channels: {channels}
-    num_classes: {classes}
-    lr: 0.02
-    momentum: 0.9
-    weight_decay: 0.0005
-    refine_lr: 0.0001
-    early_epochs: {early}
-    refine_epochs: {refine}
-    lambda_u: {lambda_u}
-    temperature: 0.5
-    alpha: 4.0
-    alpha_late: 0.75
-    rampup_epochs: 16.0
-    lpa3_mixup: true
-    twin_bn: true
-data:
+{model}data:
   class_path: lpa3_lightning.data.NoisyLabelDataModule
   init_args:
     source: {source}
@@ -97,33 +134,51 @@ data:
 
 def main() -> None:
     written = []
+
+    def write(name: str, text: str) -> None:
+        (HERE / f"{name}.yaml").write_text(text)
+        written.append(name)
+
     for source, (classes, sigma, early, rows) in PAPER.items():
         for mode, rate in rows:
+            tag = f"{'sym' if mode == 'symmetric' else 'asym'}{int(rate * 100)}"
             for with_lpa3 in (False, True):
-                tag = f"{'sym' if mode == 'symmetric' else 'asym'}{int(rate * 100)}"
-                name = f"{source}_{tag}_pes{'_lpa3' if with_lpa3 else ''}"
+                suffix = "_lpa3" if with_lpa3 else ""
                 note = (f"Paper row: {source} {int(rate * 100)}% {mode} noise, PES{' + LP-A3' if with_lpa3 else ''} "
                         "(PreAct ResNet-18, 300 epochs); needs the torchvision files in `root`")
-                text = _yaml(name, source=source, arch="preact_resnet18", classes=classes, channels=3, mode=mode,
-                             rate=rate, convention="any", sigma=sigma if with_lpa3 else None,
-                             early=early, refine=5, epochs=305, batch=128, lambda_u=150.0,
-                             root=f"data/{source}", note=note)
-                (HERE / f"{name}.yaml").write_text(text)
-                written.append(name)
+                write(f"{source}_{tag}_pes{suffix}", _yaml(
+                    f"{source}_{tag}_pes{suffix}", source=source,
+                    model=_pes_model("preact_resnet18", classes, 3, early, 5, 150.0), mode=mode, rate=rate,
+                    convention="any", sigma=sigma if with_lpa3 else None, lpa3_warmup=early + 5, epochs=305,
+                    batch=128, root=f"data/{source}", note=note))
+                lambda_u, threshold, history = DIVIDEMIX[(source, mode, rate)]
+                warmup = DIVIDEMIX_WARMUP[source]
+                note = (f"Paper row: {source} {int(rate * 100)}% {mode} noise, DivideMix"
+                        f"{' + LP-A3' if with_lpa3 else ''} (PreAct ResNet-18, 300 epochs); needs the torchvision "
+                        "files in `root`")
+                write(f"{source}_{tag}_dividemix{suffix}", _yaml(
+                    f"{source}_{tag}_dividemix{suffix}", source=source,
+                    model=_dividemix_model("preact_resnet18", classes, 3, warmup, lambda_u, threshold, history,
+                                           mode == "asymmetric"),
+                    mode=mode, rate=rate, convention="any", sigma=sigma if with_lpa3 else None, lpa3_warmup=warmup,
+                    epochs=300, batch=128, root=f"data/{source}", note=note))
     for source, (classes, sigma, rows, _size) in CPU.items():
         for mode, rate in rows:
             for with_lpa3 in (False, True):
-                name = f"{source}_sym{int(rate * 100)}_pes{'_lpa3' if with_lpa3 else ''}"
+                suffix = "_lpa3" if with_lpa3 else ""
                 root = None if source == "mnist5k" else "data/medmnist"
-                note = (f"CPU row: {source} {int(rate * 100)}% symmetric noise (always a wrong label), "
-                        f"PES{' + LP-A3' if with_lpa3 else ''}, small CNN"
-                        + ("; MNIST-5k ships in the package" if source == "mnist5k" else "; needs pneumoniamnist.npz "
-                           "in `root`"))
-                text = _yaml(name, source=source, arch="small_cnn", classes=classes, channels=1, mode=mode, rate=rate,
-                             convention="other", sigma=sigma if with_lpa3 else None, early=10, refine=2, epochs=40,
-                             batch=64, lambda_u=25.0, root=root, note=note)
-                (HERE / f"{name}.yaml").write_text(text)
-                written.append(name)
+                where = "; MNIST-5k ships in the package" if source == "mnist5k" else \
+                    "; needs pneumoniamnist.npz in `root`"
+                for method in ("pes", "dividemix"):
+                    name = f"{source}_sym{int(rate * 100)}_{method}{suffix}"
+                    note = (f"CPU row: {source} {int(rate * 100)}% symmetric noise (always a wrong label), "
+                            f"{'PES' if method == 'pes' else 'DivideMix'}{' + LP-A3' if with_lpa3 else ''}, small CNN"
+                            + where)
+                    model = _pes_model("small_cnn", classes, 1, 10, 2, 25.0) if method == "pes" else \
+                        _dividemix_model("small_cnn", classes, 1, 10, 25.0, 0.5, 1, False)
+                    write(name, _yaml(name, source=source, model=model, mode=mode, rate=rate, convention="other",
+                                      sigma=sigma if with_lpa3 else None, lpa3_warmup=12 if method == "pes" else 10,
+                                      epochs=40, batch=64 if method == "pes" else 128, root=root, note=note))
     print(f"wrote {len(written)} configs to {HERE}")
 
 

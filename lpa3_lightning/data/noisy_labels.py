@@ -130,6 +130,7 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         self.batch_size = int(batch_size)
         self.num_workers = int(num_workers)
         self.train_dataset: TwoViewNoisyDataset | None = None
+        self.train_eval_dataset: TwoViewNoisyDataset | None = None  # the training set in the evaluation view
         self.clean_train_labels: np.ndarray | None = None
         self.noisy_train_labels: np.ndarray | None = None
 
@@ -171,6 +172,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
             self.clean_train_labels = clean
             self.noisy_train_labels = self._draw_or_read(clean)
             self.train_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels, self._images.weak_transform())
+            # the same images and noisy labels in the evaluation view (DivideMix's per-sample losses)
+            self.train_eval_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels, self._images.eval_transform())
         if stage in (None, "fit", "validate"):
             self._images.setup("validate")
         if stage in (None, "test", "predict"):
@@ -227,6 +230,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
                                  "images. Fix: point `root` at the data the checkpoint was trained on.")
             self.noisy_train_labels = labels
             self.train_dataset.labels = torch.as_tensor(labels)
+            if self.train_eval_dataset is not None:
+                self.train_eval_dataset.labels = torch.as_tensor(labels)
 
 
 def _facts_classes(source: str) -> int:

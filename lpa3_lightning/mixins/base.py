@@ -99,13 +99,34 @@ class LPA3ModuleMixin:
         x, y, idx = self.lpa3_split_batch(batch)
         return LPA3Request(inputs=x, targets=y, indices=idx)
 
-    def lpa3_model(self) -> nn.Module:
+    def lpa3_model(self, network: str | None = None) -> nn.Module:
         """The network to attack and whose layers give the perceptual features.
 
         Defaults to the module itself; override to return the backbone (e.g. ``self.model``)
-        so that layer names are the backbone's.
+        so that layer names are the backbone's. A module with several networks
+        (:meth:`lpa3_networks`) returns the one named ``network``.
         """
         return self  # type: ignore[return-value]
+
+    def lpa3_networks(self) -> tuple[str, ...] | None:
+        """Names of the networks LP-A3 runs on, each with its own memory, selection, twin BN and
+        cache (e.g. DivideMix's ``("net1", "net2")``); None (default): one network.
+
+        With names, the callback calls :meth:`lpa3_request`, :meth:`lpa3_model` and the hand-over
+        methods with ``network=<name>`` (see :mod:`lpa3_lightning.networks`)."""
+        return None
+
+    # The hand-over slots: plain attributes for the single network (network=None), a dict for named ones.
+    def _lpa3_slot(self, attr: str, network: str | None) -> Any:
+        if network is None:
+            return getattr(self, attr)
+        return self.__dict__.get("_lpa3_named_slots", {}).get((attr, network))
+
+    def _lpa3_set_slot(self, attr: str, network: str | None, value: Any) -> None:
+        if network is None:
+            setattr(self, attr, value)
+        else:
+            self.__dict__.setdefault("_lpa3_named_slots", {})[(attr, network)] = value
 
     def lpa3_logits(self, output: Any) -> Tensor:
         """Map ``lpa3_model()``'s output to logits (the adapter for tuple / dict / dataclass outputs).
@@ -115,17 +136,18 @@ class LPA3ModuleMixin:
         """
         return output_to_logits(output)
 
-    def lpa3_set_augmented(self, augmented: AugmentedBatch | None) -> None:
+    def lpa3_set_augmented(self, augmented: AugmentedBatch | None, network: str | None = None) -> None:
         """Called by the callback before ``training_step`` with this batch's hard positives."""
-        self._lpa3_augmented = augmented
+        self._lpa3_set_slot("_lpa3_augmented", network, augmented)
 
-    def lpa3_augmented_pending(self) -> bool:
+    def lpa3_augmented_pending(self, network: str | None = None) -> bool:
         """Whether this batch's hard positives were handed over and not taken (yet)."""
-        return self._lpa3_augmented is not None
+        return self._lpa3_slot("_lpa3_augmented", network) is not None
 
-    def lpa3_take_augmented(self) -> AugmentedBatch | None:
+    def lpa3_take_augmented(self, network: str | None = None) -> AugmentedBatch | None:
         """The hard positives of the current batch (None during warm-up or without callback)."""
-        augmented, self._lpa3_augmented = self._lpa3_augmented, None
+        augmented = self._lpa3_slot("_lpa3_augmented", network)
+        self._lpa3_set_slot("_lpa3_augmented", network, None)
         return augmented
 
     def lpa3_forward_augmented(self, augmented: AugmentedBatch) -> Tensor:
@@ -135,26 +157,34 @@ class LPA3ModuleMixin:
         mode, the clean selected samples (twins: reference-batch normalisation) or the
         running-statistics snapshot, and :attr:`lpa3_train_forward`; the logits are
         handed to the callback, which measures ``lpa3/label_preserved`` in this very forward.
+        With several networks the batch's own (``augmented.network``) is used.
         """
+        network = augmented.network
+        model = self.lpa3_model() if network is None else self.lpa3_model(network=network)
         logits = augmented_logits(
-            self.lpa3_model(), augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
+            model, augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
             bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
             logits_fn=self.lpa3_logits,
             train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
         )
-        self._lpa3_augmented_logits = logits.detach()
+        self._lpa3_set_slot("_lpa3_augmented_logits", network, logits.detach())
         return logits
 
-    def lpa3_pop_augmented_logits(self) -> Tensor | None:
+    def lpa3_pop_augmented_logits(self, network: str | None = None) -> Tensor | None:
         """Called by the callback after ``training_step``: the logits of ``x'`` as trained, if any."""
-        logits, self._lpa3_augmented_logits = self._lpa3_augmented_logits, None
+        logits = self._lpa3_slot("_lpa3_augmented_logits", network)
+        self._lpa3_set_slot("_lpa3_augmented_logits", network, None)
         return logits
 
-    def lpa3_record_predictions(self, indices: Tensor, logits: Tensor, targets: Tensor | None = None) -> None:
-        """Hand the clean logits of this batch to the callback's time-consistency memory."""
-        self._lpa3_predictions = (indices.detach(), logits.detach(), None if targets is None else targets.detach())
+    def lpa3_record_predictions(self, indices: Tensor, logits: Tensor, targets: Tensor | None = None,
+                                network: str | None = None) -> None:
+        """Hand the clean logits of this batch to the callback's time-consistency memory (of
+        ``network`` when the module has several)."""
+        self._lpa3_set_slot("_lpa3_predictions", network,
+                            (indices.detach(), logits.detach(), None if targets is None else targets.detach()))
 
-    def lpa3_pop_predictions(self) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    def lpa3_pop_predictions(self, network: str | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Called by the callback after ``training_step``."""
-        predictions, self._lpa3_predictions = self._lpa3_predictions, None
+        predictions = self._lpa3_slot("_lpa3_predictions", network)
+        self._lpa3_set_slot("_lpa3_predictions", network, None)
         return predictions

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
-from lpa3_lightning.augmented_forward import augmented_logits
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
+from lpa3_lightning.mixins.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.mixmatch import (
     agreement_split,
     class_balance_weights,
@@ -305,36 +305,14 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
             target_adv = guess[augmented.mask.to(guess.device)]
-            if self.pes_lpa3_mixup:
-                loss_a = self._pes_mixed_lpa3_loss(augmented, target_adv, torch.cat([x1[labeled], x2[labeled]]),
-                                                   torch.cat([one_hot, one_hot]), lam)
-            else:
-                loss_a = probability_mse(self.lpa3_forward_augmented(augmented), target_adv)
+            loss_a = augmented_mixmatch_loss(self, augmented, target_adv, torch.cat([x1[labeled], x2[labeled]]),
+                                             torch.cat([one_hot, one_hot]), lam, mix=self.pes_lpa3_mixup)
             num_aug = len(augmented)
         loss = loss_l + ramp * (loss_u + loss_a)
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
                  "unlabeled_weight": torch.tensor(ramp), "labeled_share": labeled.float().mean(),
                  "num_augmented": torch.tensor(float(num_aug))}
         return loss, parts
-
-    def _pes_mixed_lpa3_loss(self, augmented: AugmentedBatch, target_adv: Tensor, labeled_views: Tensor,
-                             labeled_targets: Tensor, lam: float) -> Tensor:
-        """The authors' use of ``x'``: mixed up with the labeled views (same ``l``, a fresh
-        permutation); the mixed ``x'`` rows go through the verified forward."""
-        x_adv = augmented.inputs.to(labeled_views.dtype)
-        inputs = torch.cat([labeled_views, x_adv])
-        targets = torch.cat([labeled_targets, target_adv.to(labeled_targets)])
-        mixed_x, mixed_t = mixup(inputs, targets, lam, torch.randperm(inputs.shape[0], device=inputs.device))
-        rows = slice(labeled_views.shape[0], None)
-        logits = augmented_logits(
-            self.lpa3_model(), mixed_x[rows], bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
-            bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
-            logits_fn=self.lpa3_logits, train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
-        )
-        if self.lpa3_train_forward == "verified":  # lpa3/label_preserved: the unmixed x' in the same forward
-            with torch.no_grad():  # (in "batch_stats" it would move the running statistics once more)
-                self.lpa3_forward_augmented(augmented)
-        return probability_mse(logits, mixed_t[rows])
 
     # ------------------------------------------------------------------ checkpoint
     def pes_state_dict(self) -> dict[str, Any]:

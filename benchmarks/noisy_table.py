@@ -1,0 +1,177 @@
+"""Noisy labels: cross-entropy, PES, PES + LP-A3, DivideMix, DivideMix + LP-A3, clean-label test accuracy.
+
+    python benchmarks/noisy_table.py --sources mnist5k --rates 0.8 0.5 --seeds 0 1 2
+    python benchmarks/noisy_table.py --sources pneumoniamnist --rates 0.4 --root /path/to/medmnist_npz
+
+Every run trains a small CNN for the same epochs on the same noisy labels (symmetric noise,
+always a wrong label; PneumoniaMNIST: that share of the labels flipped) and reports the test
+accuracy (clean labels) at the last epoch and the best over the epochs, and the training wall
+time. ``ce`` is plain cross-entropy on the noisy labels with PES's optimiser (PES's first phase
+for the whole run); ``pes`` / ``dividemix`` are the ready modules with the CPU configs'
+schedule (``configs/noisy/``), ``*_lpa3`` the same with ``LPA3Callback`` (ratio 0.9, sigma 0.02,
+5 steps, attacks from the semi-supervised phase on). One JSON per run in ``--out``; a finished
+run is not repeated. The summary prints mean +- std per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3")
+
+
+def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:
+    return out / f"{source}_r{int(round(rate * 100))}_{method}_e{epochs}_seed{seed}.json"
+
+
+def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: float):
+    """The module and its LP-A3 callback (or None) of one method."""
+    from lpa3_lightning import DivideMixClassifier, LPA3Callback, PESClassifier
+
+    common = {"arch": "small_cnn", "in_channels": data.in_channels, "num_classes": data.num_classes}
+    if method == "ce":
+        return PESClassifier(**common, early_epochs=epochs, refine_epochs=0), None
+    if method.startswith("pes"):
+        module = PESClassifier(**common, early_epochs=warmup, refine_epochs=refine, lambda_u=lambda_u)
+        start = warmup + refine
+    else:
+        module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u)
+        start = warmup
+    callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=start, seed=0) \
+        if method.endswith("_lpa3") else None
+    return module, callback
+
+
+def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: int, refine: int, lambda_u: float,
+        batch_size: int, out: Path, root: str | None) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lpa3_lightning.data import NoisyLabelDataModule
+
+    path = result_path(out, source, rate, method, seed, epochs)
+    if path.exists():
+        return json.loads(path.read_text())
+    pl.seed_everything(seed)
+    data = NoisyLabelDataModule(source, root=root, noise_rate=rate, noise_mode="symmetric", noise_convention="other",
+                                seed=seed, batch_size=batch_size)
+    data.setup("fit")
+    data.setup("test")
+    actual_noise = float((data.noisy_train_labels != data.clean_train_labels).mean())
+    module, lpa3 = build(method, data, epochs, warmup, refine, lambda_u)
+
+    class Curve(Callback):
+        """Clean test accuracy after every epoch and the training wall time (evaluation excluded)."""
+
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+            self.seconds = 0.0
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self._start = time.perf_counter()  # includes the module's per-epoch split
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.seconds += time.perf_counter() - self._start
+            was_training = pl_module.training
+            pl_module.eval()
+            correct = total = 0
+            with torch.no_grad():
+                for x, y, _ in data.test_dataloader():
+                    correct += int((pl_module(x).argmax(1) == y).sum())
+                    total += len(y)
+            pl_module.train(was_training)
+            self.rows.append({"epoch": trainer.current_epoch, "train_seconds": self.seconds,
+                              "test_acc": correct / total})
+
+    curve = Curve()
+    callbacks = [curve] + ([lpa3] if lpa3 is not None else [])
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+    result = {"source": source, "rate": rate, "actual_noise": actual_noise, "method": method, "seed": seed,
+              "epochs": epochs, "warmup": warmup, "refine": refine, "lambda_u": lambda_u, "batch_size": batch_size,
+              "final_test_acc": curve.rows[-1]["test_acc"], "best_test_acc": max(r["test_acc"] for r in curve.rows),
+              "wall_seconds": curve.seconds, "curve": curve.rows}
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _ms(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+
+
+def summarize(results: list[dict]) -> str:
+    lines = ["| data set | noise | method | test acc (last epoch) | test acc (best epoch) | train wall s (per run) "
+             "| seeds | epochs |", "|---|---|---|---|---|---|---|---|"]
+    for source, rate in sorted({(r["source"], r["rate"]) for r in results}):
+        for method in METHODS:
+            rs = [r for r in results if (r["source"], r["rate"], r["method"]) == (source, rate, method)]
+            if rs:
+                lines.append(f"| {source} | {rate:.0%} sym | {method} | {_ms([r['final_test_acc'] for r in rs])} | "
+                             f"{_ms([r['best_test_acc'] for r in rs])} | "
+                             f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['epochs']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sources", nargs="+", default=["mnist5k"])
+    parser.add_argument("--rates", nargs="+", type=float, default=[0.8, 0.5])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10, help="PES's T1 and DivideMix's warm-up, in epochs")
+    parser.add_argument("--refine", type=int, default=2, help="PES's T2")
+    parser.add_argument("--lambda-u", type=float, default=25.0)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "noisy_runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source rate method seed
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    settings = (args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out, args.root)
+    if args.worker:
+        source, rate, method, seed = args.worker
+        run(source, float(rate), method, int(seed), *settings)
+        return
+    todo = [(s, r, seed, m) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
+    running: list[subprocess.Popen] = []
+    for source, rate, seed, method in todo:
+        if result_path(args.out, source, rate, method, seed, args.epochs).exists():
+            continue
+        cmd = [sys.executable, __file__, "--worker", source, str(rate), method, str(seed), "--epochs", str(args.epochs),
+               "--warmup", str(args.warmup), "--refine", str(args.refine), "--lambda-u", str(args.lambda_u),
+               "--batch-size", str(args.batch_size), "--out", str(args.out)]
+        cmd += ["--root", args.root] if args.root else []
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        running.append(subprocess.Popen(cmd, cwd=ROOT))
+        while len(running) >= args.jobs:
+            running = [p for p in running if p.poll() is None]
+            time.sleep(1)
+    for p in running:
+        p.wait()
+    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
+    results = [r for r in results if r["epochs"] == args.epochs and r["source"] in args.sources]
+    print(summarize(results))
+
+
+if __name__ == "__main__":
+    main()

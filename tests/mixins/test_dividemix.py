@@ -1,0 +1,161 @@
+"""DivideMix + LP-A3: co-divide, the loss against an independent computation, the per-network request."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lpa3_lightning.mixins import DivideMixLPA3Mixin
+from tests.mixins.test_pes import NUM_CLASSES, NoisyTwoViews, _net
+
+N = 48
+
+
+class TwoNets(DivideMixLPA3Mixin, nn.Module):
+    """The mixin on two plain networks, no Lightning."""
+
+    def __init__(self, warmup: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _net(), _net()
+        self.lpa3_num_classes, self.lpa3_num_samples = NUM_CLASSES, N
+        self.dividemix_warmup_epochs = warmup
+        self.epoch = 0
+
+    def dividemix_model(self, network: str) -> nn.Module:
+        return {"net1": self.a, "net2": self.b}[network]
+
+    def dividemix_current_epoch(self) -> int:
+        return self.epoch
+
+
+def _batch(n: int = 12):
+    return next(iter(DataLoader(NoisyTwoViews(N), batch_size=n, shuffle=False)))
+
+
+def _planted_split(module: TwoNets) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.rand(N, generator=g), torch.rand(N, generator=g)
+    module._dm_state()["clean_prob"].update({"net1": w1, "net2": w2})
+    return w1, w2
+
+
+def test_each_network_trains_on_the_split_of_the_other():
+    module = TwoNets()
+    w1, w2 = _planted_split(module)
+    idx = torch.arange(N)
+    assert torch.equal(module._dm_labeled("net1", idx)[0], w2 > 0.5)
+    assert torch.equal(module._dm_labeled("net2", idx)[0], w1 > 0.5)
+    request = module.lpa3_request(_batch(), network="net2")
+    assert torch.equal(request.indices, torch.arange(12)[w1[:12] <= 0.5])
+
+
+def test_the_split_marks_the_samples_whose_noisy_label_has_a_high_loss():
+    """A network that predicts the clean labels: the flipped samples get a low clean probability."""
+    data = NoisyTwoViews(N)
+    flipped = data.noisy != data.clean
+    by_index = [(torch.full((1, 4, 4), float(i)), torch.full((1, 4, 4), float(i)), data.noisy[i], i) for i in range(N)]
+
+    class Oracle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):  # each image carries its index; the oracle answers its clean label
+            return self.scale * 6.0 * F.one_hot(data.clean[x[:, 0, 0, 0].round().long()], NUM_CLASSES).float()
+
+    module = TwoNets()
+    module.a, module.b = Oracle(), Oracle()
+    prob = module.dividemix_refresh_split(DataLoader(by_index, batch_size=10, shuffle=True))
+    for name in ("net1", "net2"):
+        assert bool((prob[name][flipped] < 0.1).all()) and bool((prob[name][~flipped] > 0.9).all()), name
+
+
+def test_the_split_refuses_a_loader_that_leaves_samples_out():
+    module = TwoNets()
+    with pytest.raises(ValueError, match="left 8 training samples out"):
+        module.dividemix_refresh_split(DataLoader(NoisyTwoViews(N), batch_size=10, drop_last=True))
+
+
+def test_semi_loss_equals_an_independent_computation(monkeypatch):
+    module = TwoNets()
+    _, w2 = _planted_split(module)
+    monkeypatch.setattr("lpa3_lightning.mixins.dividemix.mixup_lambda", lambda alpha: 0.7)
+    batch = _batch()
+    x1, x2, y, idx = batch
+    net1, net2 = copy.deepcopy(module.a).train(), copy.deepcopy(module.b).eval()
+    torch.manual_seed(5)
+    loss, parts = module.dividemix_loss(batch, "net1", batch_idx=8, batches_per_epoch=1)  # ramp 8/16 of 25
+
+    lab = w2[idx] > 0.5
+    n_lab = int(lab.sum())
+    assert 0 < n_lab < 12
+    with torch.no_grad():
+        u = torch.cat([x1[~lab], x2[~lab]])
+        p_own, p_other = net1(u).softmax(1), net2(u).softmax(1)
+        q = torch.stack([p_own[: 12 - n_lab], p_own[12 - n_lab:], p_other[: 12 - n_lab], p_other[12 - n_lab:]]).mean(0)
+        q = q ** 2 / (q ** 2).sum(1, keepdim=True)
+        p = net1(torch.cat([x1[lab], x2[lab]])).softmax(1)
+        w = w2[idx][lab][:, None]
+        t = w * F.one_hot(y[lab], NUM_CLASSES) + (1 - w) * (p[:n_lab] + p[n_lab:]) / 2
+        t = t ** 2 / (t ** 2).sum(1, keepdim=True)
+    inputs = torch.cat([x1[lab], x2[lab], x1[~lab], x2[~lab]])
+    targets = torch.cat([t, t, q, q])
+    torch.manual_seed(5)
+    perm = torch.randperm(12 * 2)
+    logits = net1(0.7 * inputs + 0.3 * inputs[perm])
+    mixed_t = 0.7 * targets + 0.3 * targets[perm]
+    lx = -(mixed_t[: 2 * n_lab] * logits[: 2 * n_lab].log_softmax(1)).sum(1).mean()
+    lu = ((logits[2 * n_lab:].softmax(1) - mixed_t[2 * n_lab:]) ** 2).mean()
+    mean_p = logits.softmax(1).mean(0)
+    prior = (torch.full((NUM_CLASSES,), 1 / NUM_CLASSES) * (1 / NUM_CLASSES / mean_p).log()).sum()
+    expected = lx + 12.5 * lu + prior
+    assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
+    assert float(parts["unlabeled_weight"]) == 12.5
+    assert abs(float(parts["labeled_share"]) - n_lab / 12) < 1e-6
+
+
+def test_the_guessing_forwards_move_no_running_statistic_and_feed_the_tcs_record():
+    module = TwoNets()
+    _planted_split(module)
+    bn_before = {k: v.clone() for k, v in module.state_dict().items() if "running" in k or "num_batches" in k}
+    batch = _batch()
+    request = module.lpa3_request(batch, network="net1")
+    after_request = {k: v for k, v in module.state_dict().items() if k in bn_before}
+    assert all(torch.equal(bn_before[k], after_request[k]) for k in bn_before)
+    module.dividemix_loss(batch, "net1")
+    indices, logits, _ = module.lpa3_pop_predictions(network="net1")
+    assert torch.equal(indices, request.indices) and logits.shape == (len(request.indices), NUM_CLASSES)
+    assert module.lpa3_pop_predictions(network="net2") is None  # each network's record is its own
+
+
+def test_warmup_trains_each_network_on_its_own_view_with_cross_entropy():
+    module = TwoNets(warmup=2)
+    batch = _batch()
+    x1, x2, y, _ = batch
+    loss1, _ = module.dividemix_loss(batch, "net1")
+    with torch.no_grad():
+        expected = F.cross_entropy(copy.deepcopy(module.a).train()(x1), y)
+    assert torch.allclose(loss1, expected, atol=1e-5)
+    assert torch.equal(module.lpa3_request(batch, network="net2").inputs, x2)
+    module.dividemix_negative_entropy = True
+    loss_ne, _ = module.dividemix_loss(batch, "net2")
+    with torch.no_grad():
+        logits = copy.deepcopy(module.b).train()(x2)
+        expected_ne = F.cross_entropy(logits, y) + (logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+    assert torch.allclose(loss_ne, expected_ne, atol=1e-5)
+
+
+def test_a_network_must_be_named():
+    module = TwoNets()
+    with pytest.raises(ValueError, match="name one"):
+        module.lpa3_model()
+    with pytest.raises(ValueError, match="network='net3'"):
+        module.lpa3_model(network="net3")
+    with pytest.raises(RuntimeError, match="dividemix_begin_epoch"):
+        module.lpa3_request(_batch(), network="net1")

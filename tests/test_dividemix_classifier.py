@@ -1,0 +1,132 @@
+"""The ready DivideMix module: fits with one callback for two networks, x' checked independently, resume."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lpa3_lightning import DivideMixClassifier, LPA3Callback
+from tests.helpers import independent_logp_drop, indexed_images
+from tests.mixins.test_pes import NUM_CLASSES, NoisyTwoViews
+
+N = 48
+
+
+class Recording(DivideMixClassifier):
+    """Records, before each step, each network's x' and what an independent check of them needs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.records: list[dict[str, Any]] = []
+        self.parts: list[dict[str, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        for name in self.lpa3_networks():
+            augmented = self._lpa3_slot("_lpa3_augmented", name)
+            if augmented is not None and len(augmented):
+                assert augmented.network == name
+                self.records.append({"network": name, "model": copy.deepcopy(self.dividemix_model(name)),
+                                     "x": augmented.reference_inputs.clone(), "x_adv": augmented.inputs.clone(),
+                                     "y": augmented.targets.clone(), "indices": augmented.indices.clone()})
+        loss = super().training_step(batch, batch_idx)
+        self.parts.append({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("train/")})
+        return loss
+
+
+def _module(cls=DivideMixClassifier, **kwargs: Any) -> DivideMixClassifier:
+    torch.manual_seed(0)
+    settings = {"num_classes": NUM_CLASSES, "num_samples": N, "warmup_epochs": 1, "lambda_u": 5.0,
+                "rampup_epochs": 1.0}
+    return cls(**{**settings, **kwargs})
+
+
+def _trainer(epochs: int, callbacks: list, tmp_path, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                      callbacks=callbacks, num_sanity_val_steps=0, **kwargs)
+
+
+def _data() -> DataLoader:
+    return DataLoader(NoisyTwoViews(N), batch_size=16, shuffle=True)
+
+
+def test_one_callback_serves_both_networks_and_each_x_prime_keeps_its_guessed_label_as_trained(tmp_path):
+    pl.seed_everything(0)
+    module = _module(Recording)
+    callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=2, warmup_epochs=1, seed=0)
+    trainer = _trainer(3, [callback], tmp_path)
+    trainer.fit(module, _data())
+    assert list(callback.networks) == ["net1", "net2"]
+    memories = [c.tcs for c in callback.networks.values()]
+    assert all(bool(m.seen.all()) for m in memories)  # every sample recorded by each network
+    assert not torch.equal(memories[0].memory, memories[1].memory)  # two memories, not one shared
+    by_network = {name: [r for r in module.records if r["network"] == name] for name in ("net1", "net2")}
+    assert all(by_network.values()), {k: len(v) for k, v in by_network.items()}
+    for r in module.records:  # the constraint in the forward that trains the unmixed x', per network
+        drop = independent_logp_drop(r["model"], r["x"], r["x_adv"], r["y"], twin_bn=True)
+        assert bool((drop <= 0.02 + 1e-5).all()), (r["network"], drop.max())
+    semi = [p for p in module.parts if p.get("train/net1/unlabeled_weight", 0.0) > 0]
+    assert any(p["train/net1/loss_lpa3"] > 0 for p in semi) and any(p["train/net2/loss_lpa3"] > 0 for p in semi)
+    for name in ("net1", "net2"):  # per-network logs
+        assert float(trainer.callback_metrics[f"lpa3/{name}/label_preserved_epoch"]) == pytest.approx(1.0)
+        assert f"lpa3/{name}/threshold" in trainer.callback_metrics
+
+
+def test_resume_restores_both_memories_and_the_split(tmp_path):
+    pl.seed_everything(0)
+    module = _module()
+    callback = LPA3Callback(ratio=0.5, steps=1, warmup_epochs=1, seed=0)
+    trainer = _trainer(2, [callback], tmp_path)
+    trainer.fit(module, _data())
+    path = tmp_path / "dm.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert set(saved["callbacks"]["LPA3Callback"]["networks"]) == {"net1", "net2"}
+
+    resumed_module, resumed = _module(), LPA3Callback(ratio=0.5, steps=1, warmup_epochs=1, seed=0)
+    _trainer(2, [resumed], tmp_path).fit(resumed_module, _data(), ckpt_path=path)  # nothing left to train
+    for name in ("net1", "net2"):
+        before, after = callback.networks[name].tcs.state_dict(), resumed.networks[name].tcs.state_dict()
+        for key in ("memory", "scores", "seen", "threshold"):
+            assert torch.equal(before[key], after[key]), (name, key)
+        assert torch.equal(resumed_module.dividemix_clean_probability(name), module.dividemix_clean_probability(name))
+
+
+def test_a_single_network_checkpoint_is_refused_with_the_fix(tmp_path):
+    callback = LPA3Callback()
+    module = _module()
+    trainer = _trainer(1, [callback], tmp_path)
+    callback.setup(trainer, module, "fit")
+    single = LPA3Callback()
+    single.tcs = None
+    with pytest.raises(ValueError, match="state for one network"):
+        callback.load_state_dict(single.state_dict())
+
+
+def test_without_the_callback_it_is_plain_dividemix_predicting_with_both_networks(tmp_path):
+    pl.seed_everything(0)
+    module = _module()
+    trainer = _trainer(2, [], tmp_path)
+    trainer.fit(module, _data(), DataLoader(indexed_images(12), batch_size=12))
+    assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
+    assert float(trainer.callback_metrics["train/net1/loss_lpa3"]) == 0.0
+    x = indexed_images(4)[0][0][None]
+    module.eval()
+    assert torch.allclose(module(x), module.net1(x) + module.net2(x))
+
+
+def test_a_callback_that_attacks_during_the_warmup_is_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match="warmup_epochs=1"):
+        _trainer(1, [LPA3Callback(steps=1, warmup_epochs=0)], tmp_path, limit_train_batches=1).fit(_module(), _data())
+
+
+@pytest.mark.parametrize("kwargs, match", [({"threshold": 1.0}, "threshold"), ({"lambda_u": -1}, "lambda_u"),
+                                           ({"loss_history": 0}, "loss_history"), ({"warmup_epochs": -1}, "warmup")])
+def test_bad_arguments_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DivideMixClassifier(**kwargs)
