@@ -28,15 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import StepTimer, sync  # noqa: E402
 CONFIGS = ("fixmatch", "fixmatch_lpa3", "fixmatch_lpa3_cached")
 RATIO = 0.9
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _worker(config: str, epochs: int, accelerator: str) -> dict:
@@ -46,32 +41,6 @@ def _worker(config: str, epochs: int, accelerator: str) -> dict:
 
     from lpa3_lightning import FixMatchClassifier, LPA3Callback
     from lpa3_lightning.data import SemiSupervisedDataModule
-
-    class StepTimer(Callback):
-        def __init__(self) -> None:
-            self.steps: dict[int, list[float]] = {}
-            self.epochs: dict[int, float] = {}
-            self.reused: dict[int, float] = {}
-            self.selected: list[float] = []
-
-        def on_train_epoch_start(self, trainer, pl_module):
-            self._epoch_start = time.perf_counter()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            _sync(pl_module.device)
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            _sync(pl_module.device)
-            self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
-
-        def on_train_epoch_end(self, trainer, pl_module):
-            _sync(pl_module.device)
-            self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
-            for key, store in (("lpa3/reused_fraction_epoch", self.reused),):
-                value = trainer.callback_metrics.get(key)
-                if value is not None:
-                    store[trainer.current_epoch] = float(value)
 
     pl.seed_everything(0)
     data = SemiSupervisedDataModule("mnist5k", num_labels=40, seed=0, batch_size=32, mu=7, eval_batch_size=500)
@@ -117,10 +86,10 @@ def _floor_parts(module, unlabeled_batch: int) -> tuple[float, float]:
         fn()
         times = []
         for _ in range(reps):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3")
 
@@ -108,11 +109,6 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
     return result
 
 
-def _ms(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
-
-
 def summarize(results: list[dict]) -> str:
     lines = ["| data set | noise | method | test acc (last epoch) | test acc (best epoch) | train wall s (per run) "
              "| seeds | epochs |", "|---|---|---|---|---|---|---|---|"]
@@ -120,8 +116,8 @@ def summarize(results: list[dict]) -> str:
         for method in METHODS:
             rs = [r for r in results if (r["source"], r["rate"], r["method"]) == (source, rate, method)]
             if rs:
-                lines.append(f"| {source} | {rate:.0%} sym | {method} | {_ms([r['final_test_acc'] for r in rs])} | "
-                             f"{_ms([r['best_test_acc'] for r in rs])} | "
+                lines.append(f"| {source} | {rate:.0%} sym | {method} | {mean_std([r['final_test_acc'] for r in rs])} | "
+                             f"{mean_std([r['best_test_acc'] for r in rs])} | "
                              f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['epochs']} |")
     return "\n".join(lines)
 
@@ -153,21 +149,16 @@ def main() -> None:
         run(source, float(rate), method, int(seed), *settings)
         return
     todo = [(s, r, seed, m) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
-    running: list[subprocess.Popen] = []
-    for source, rate, seed, method in todo:
-        if result_path(args.out, source, rate, method, seed, args.epochs).exists():
-            continue
+
+    def command(source: str, rate: float, seed: int, method: str) -> list[str]:
         cmd = [sys.executable, __file__, "--worker", source, str(rate), method, str(seed), "--epochs", str(args.epochs),
                "--warmup", str(args.warmup), "--refine", str(args.refine), "--lambda-u", str(args.lambda_u),
                "--batch-size", str(args.batch_size), "--out", str(args.out)]
-        cmd += ["--root", args.root] if args.root else []
-        cmd += ["--threads", str(args.threads)] if args.threads else []
-        running.append(subprocess.Popen(cmd, cwd=ROOT))
-        while len(running) >= args.jobs:
-            running = [p for p in running if p.poll() is None]
-            time.sleep(1)
-    for p in running:
-        p.wait()
+        return cmd + (["--root", args.root] if args.root else []) + (["--threads", str(args.threads)] if args.threads
+                                                                      else [])
+
+    run_processes((command(*job) for job in todo
+                   if not result_path(args.out, job[0], job[1], job[3], job[2], args.epochs).exists()), args.jobs, ROOT)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
     results = [r for r in results if r["epochs"] == args.epochs and r["source"] in args.sources]
     print(summarize(results))

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
 METHODS = ("fixmatch", "fixmatch_lpa3")
 
@@ -107,11 +108,6 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     return result
 
 
-def _ms(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
-
-
 def summarize(results: list[dict]) -> str:
     lines = ["| data set | labels | method | EMA test acc (final) | raw-weights test acc (final) | train wall s (per run) "
              "| seeds | steps |", "|---|---|---|---|---|---|---|---|"]
@@ -120,8 +116,8 @@ def summarize(results: list[dict]) -> str:
         for method in METHODS:
             rs = [r for r in results if (r["source"], r["labels"], r["method"]) == (source, labels, method)]
             if rs:
-                lines.append(f"| {source} | {labels} | {method} | {_ms([r['final_test_acc'] for r in rs])} | "
-                             f"{_ms([r['final_raw_test_acc'] for r in rs])} | "
+                lines.append(f"| {source} | {labels} | {method} | {mean_std([r['final_test_acc'] for r in rs])} | "
+                             f"{mean_std([r['final_raw_test_acc'] for r in rs])} | "
                              f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['steps']} |")
         for seed in sorted({r["seed"] for r in results if (r["source"], r["labels"]) == (source, labels)}):
             pair = {r["method"]: r for r in results if (r["source"], r["labels"], r["seed"]) == (source, labels, seed)}
@@ -195,21 +191,17 @@ def main() -> None:
             args.lpa3_warmup, args.regenerate, args.num_workers)
         return
     todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
-    running: list[subprocess.Popen] = []
-    for source, labels, method, seed in todo:
-        if result_path(args.out, source, labels, method, seed, args.steps, args.regenerate).exists():
-            continue
+
+    def command(source: str, labels: int, method: str, seed: int) -> list[str]:
         cmd = [sys.executable, __file__, "--worker", source, str(labels), method, str(seed), "--steps",
                str(args.steps), "--eval-every", str(args.eval_every), "--lpa3-warmup", str(args.lpa3_warmup),
                "--regenerate", str(args.regenerate), "--out", str(args.out), "--num-workers", str(args.num_workers)]
-        cmd += ["--root", args.root] if args.root else []
-        cmd += ["--threads", str(args.threads)] if args.threads else []
-        running.append(subprocess.Popen(cmd, cwd=ROOT))
-        while len(running) >= args.jobs:
-            running = [p for p in running if p.poll() is None]
-            time.sleep(1)
-    for p in running:
-        p.wait()
+        return cmd + (["--root", args.root] if args.root else []) + (["--threads", str(args.threads)] if args.threads
+                                                                      else [])
+
+    run_processes((command(*job) for job in todo
+                   if not result_path(args.out, job[0], job[1], job[2], job[3], args.steps, args.regenerate).exists()),
+                  args.jobs, ROOT)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
     results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources
                and (r["method"] == "fixmatch" or r["regenerate_every_n_epochs"] == args.regenerate)]

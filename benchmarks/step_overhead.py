@@ -33,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import StepTimer, sync  # noqa: E402
 CONFIGS = ("baseline", "lpa3", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy")
 
 
@@ -43,30 +45,6 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
 
     from lpa3_lightning import LPA3Callback, LPA3Classifier
     from lpa3_lightning.data import MedMNISTDataModule
-
-    class StepTimer(Callback):
-        def __init__(self) -> None:
-            self.steps: dict[int, list[float]] = {}
-            self.epochs: dict[int, float] = {}
-            self.reused: dict[int, float] = {}
-
-        def on_train_epoch_start(self, trainer, pl_module):
-            self._epoch_start = time.perf_counter()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            _sync(pl_module.device)
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            _sync(pl_module.device)
-            self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
-
-        def on_train_epoch_end(self, trainer, pl_module):
-            _sync(pl_module.device)
-            self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
-            reused = trainer.callback_metrics.get("lpa3/reused_fraction_epoch")
-            if reused is not None:
-                self.reused[trainer.current_epoch] = float(reused)
 
     pl.seed_everything(0)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # imports, data, no model yet
@@ -99,14 +77,6 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
     return result
 
 
-def _sync(device) -> None:
-    """Wait for the GPU's queued work, so that a timer reads finished work (no-op on the CPU)."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _floor(module, ratio: float) -> float:
     """The least LP-A3 adds to a step: on ``ratio`` of a batch of 128, 5 x (forward + backward to
     the input) and one training forward+backward of x' (the measured baseline step is added)."""
@@ -124,10 +94,10 @@ def _floor(module, ratio: float) -> float:
         fn()
         times = []
         for _ in range(reps):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

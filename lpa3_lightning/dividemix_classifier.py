@@ -7,16 +7,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics.classification import MulticlassAccuracy
 
 from lpa3_lightning.classifier import check_datamodule_agrees
-from lpa3_lightning.dual_bn import anchor_twin_parameters, convert_dual_bn, has_dual_bn
+from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.fixmatch_classifier import build_ssl_backbone
 from lpa3_lightning.mixins.base import split_indexed_batch
 from lpa3_lightning.mixins.dividemix import DivideMixLPA3Mixin
+from lpa3_lightning.noisy_training import (
+    adopt_training_set_size,
+    anchor_twins_without_callback,
+    release_twins,
+    whole_training_set_loader,
+)
 
 __all__ = ["DivideMixClassifier"]
 
@@ -121,13 +125,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def setup(self, stage: str) -> None:
-        datamodule = check_datamodule_agrees(self, ("num_classes", "in_channels"), "DivideMixClassifier")
-        size = getattr(datamodule, "num_train", None)
-        if isinstance(size, int):
-            if self.hparams.num_samples is not None and self.hparams.num_samples != size:
-                raise ValueError(f"The data module has {size} training samples but the model was built with "
-                                 f"num_samples={self.hparams.num_samples}. Fix: pass num_samples={size} or leave it None.")
-            self.lpa3_num_samples = size
+        adopt_training_set_size(self, check_datamodule_agrees(self, ("num_classes", "in_channels"),
+                                                              "DivideMixClassifier"))
 
     def dividemix_model(self, network: str) -> nn.Module:
         self._dm_check_name(network)
@@ -149,42 +148,21 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._dm_sizes()  # a missing training-set size is named now, not at the semi phase
-        from lpa3_lightning.callback import LPA3Callback
-
-        callbacks = [c for c in self.trainer.callbacks if isinstance(c, LPA3Callback)]
-        for callback in callbacks:
-            if callback.warmup_epochs < self.dividemix_warmup_epochs:
-                rank_zero_warn(f"LPA3Callback(warmup_epochs={callback.warmup_epochs}) attacks during DivideMix's "
-                               f"warm-up (until epoch {self.dividemix_warmup_epochs}), where no x' is trained: the "
-                               f"attacks are wasted. Fix: LPA3Callback(warmup_epochs={self.dividemix_warmup_epochs}).")
-        # Without the callback nothing ties the twins into the loss; under DDP an unused
-        # parameter stalls the gradient reducer, so anchor them (the callback does it itself).
-        self._anchored = not callbacks and self.trainer.world_size > 1 and has_dual_bn(self.net1)
-        if self._anchored:
-            anchor_twin_parameters(self.net1, True)
-            anchor_twin_parameters(self.net2, True)
+        self._anchored = anchor_twins_without_callback(self.trainer, [self.net1, self.net2],
+                                                       self.dividemix_warmup_epochs, "DivideMix")
 
     def on_fit_end(self) -> None:
         if getattr(self, "_anchored", False):
-            anchor_twin_parameters(self.net1, False)
-            anchor_twin_parameters(self.net2, False)
-
-    def _split_loader(self) -> DataLoader:
-        """Every training sample once, in the evaluation view when the data module offers it
-        (``train_eval_dataset``; the authors' per-sample losses are without augmentation),
-        split across the ranks under DDP."""
-        train = self.trainer.train_dataloader
-        datamodule = getattr(self.trainer, "datamodule", None)
-        dataset = getattr(datamodule, "train_eval_dataset", None) or train.dataset
-        sampler = None
-        if self.trainer.world_size > 1:
-            sampler = DistributedSampler(dataset, num_replicas=self.trainer.world_size, rank=self.global_rank,
-                                         shuffle=False, drop_last=False)
-        return DataLoader(dataset, batch_size=train.batch_size or 64, shuffle=False, sampler=sampler, num_workers=0)
+            release_twins([self.net1, self.net2])
 
     def on_train_epoch_start(self) -> None:
         epoch = self.current_epoch
-        self.dividemix_begin_epoch(epoch, self._split_loader() if self.dividemix_phase(epoch) == "semi" else [])
+        # the per-sample losses in the evaluation view when the data module offers it (DivideMix's are
+        # without augmentation)
+        dataset = getattr(getattr(self.trainer, "datamodule", None), "train_eval_dataset", None)
+        loader = whole_training_set_loader(self.trainer, self.global_rank, dataset) \
+            if self.dividemix_phase(epoch) == "semi" else []
+        self.dividemix_begin_epoch(epoch, loader)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         batches = self.trainer.num_training_batches

@@ -7,16 +7,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics.classification import MulticlassAccuracy
 
 from lpa3_lightning.classifier import check_datamodule_agrees
-from lpa3_lightning.dual_bn import anchor_twin_parameters, convert_dual_bn, has_dual_bn
+from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.fixmatch_classifier import build_ssl_backbone
 from lpa3_lightning.mixins.base import split_indexed_batch
 from lpa3_lightning.mixins.pes import PESLPA3Mixin
+from lpa3_lightning.noisy_training import (
+    adopt_training_set_size,
+    anchor_twins_without_callback,
+    release_twins,
+    whole_training_set_loader,
+)
 
 __all__ = ["PESClassifier"]
 
@@ -122,13 +126,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def setup(self, stage: str) -> None:
-        datamodule = check_datamodule_agrees(self, ("num_classes", "in_channels"), "PESClassifier")
-        size = getattr(datamodule, "num_train", None)
-        if isinstance(size, int):
-            if self.hparams.num_samples is not None and self.hparams.num_samples != size:
-                raise ValueError(f"The data module has {size} training samples but the model was built with "
-                                 f"num_samples={self.hparams.num_samples}. Fix: pass num_samples={size} or leave it None.")
-            self.lpa3_num_samples = size
+        adopt_training_set_size(self, check_datamodule_agrees(self, ("num_classes", "in_channels"), "PESClassifier"))
 
     def lpa3_model(self) -> nn.Module:
         return self.model
@@ -153,38 +151,15 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         counted = max_epochs - self.pes_refine_epochs  # the authors' refine epochs are not outer epochs
         self.pes_alpha_late_epoch = (self.pes_refine_epochs + counted // 2 if counted > 0 else None) if arg is None \
             else (None if arg < 0 else int(arg))
-        from lpa3_lightning.callback import LPA3Callback
-
-        callbacks = [c for c in self.trainer.callbacks if isinstance(c, LPA3Callback)]
-        for callback in callbacks:
-            if callback.warmup_epochs < self.pes_semi_start:
-                rank_zero_warn(f"LPA3Callback(warmup_epochs={callback.warmup_epochs}) attacks before PES's semi-supervised "
-                               f"phase (epoch {self.pes_semi_start}), where no x' is trained: the attacks are wasted. "
-                               f"Fix: LPA3Callback(warmup_epochs={self.pes_semi_start}).")
-        # Without the callback nothing ties the twins into the loss; under DDP an unused
-        # parameter stalls the gradient reducer, so anchor them (the callback does it itself).
-        self._anchored = not callbacks and has_dual_bn(self.model) and self.trainer.world_size > 1
-        if self._anchored:
-            anchor_twin_parameters(self.model, True)
+        self._anchored = anchor_twins_without_callback(self.trainer, [self.model], self.pes_semi_start, "PES")
 
     def on_fit_end(self) -> None:
         if getattr(self, "_anchored", False):
-            anchor_twin_parameters(self.model, False)
-
-    def _prediction_loader(self) -> DataLoader:
-        """Every training sample once, in order (the training loader drops its last partial
-        batch, which would leave samples out of the split); split across the ranks under DDP."""
-        train = self.trainer.train_dataloader
-        dataset, batch_size = train.dataset, train.batch_size or 64
-        sampler = None
-        if self.trainer.world_size > 1:
-            sampler = DistributedSampler(dataset, num_replicas=self.trainer.world_size, rank=self.global_rank,
-                                         shuffle=False, drop_last=False)
-        return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=0)
+            release_twins([self.model])
 
     def on_train_epoch_start(self) -> None:
         epoch = self.current_epoch
-        self.pes_begin_epoch(epoch, self._prediction_loader() if self.pes_phase(epoch) == "semi" else [])
+        self.pes_begin_epoch(epoch, whole_training_set_loader(self.trainer, self.global_rank) if self.pes_phase(epoch) == "semi" else [])
         if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
             sgd, _ = self.optimizers()  # type: ignore[misc]
             for p in self.pes_head().parameters():  # the re-initialised head starts without momentum

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
 from lpa3_lightning.mixins.mixmatch_lpa3 import augmented_mixmatch_loss
