@@ -34,6 +34,7 @@ from lpa3_lightning.visualize import comparison_grid
 
 __all__ = ["LPA3Callback"]
 
+_NETWORK_SEED_STRIDE = 7919  # seed offset between the networks of a module with several
 _STATE_VERSION = 3  # 2 added the x' cache, the global RNG and the per-epoch update record; 3 the cache's labels
 
 #: Per-epoch diagnostics, each a torchmetrics aggregate synced across processes at epoch end.
@@ -282,22 +283,35 @@ class LPA3Callback(Callback):
         self._nonfinite_inputs_metric = SumMetric()
         # several networks (module.lpa3_networks()): one callback of these settings per network
         self._log_prefix = "lpa3/"
+        self._tcs_seed_offset = 0
         self._metric_prefix = "_lpa3_"
         self._networks: dict[str, LPA3Callback] = {}
         self._views: dict[str, NetworkView] = {}
         self._network_states: dict[str, Any] | None = None  # loaded before setup created the networks
 
+    def _tcs_seed(self) -> int:
+        return self.seed if self.seed is not None else self._tcs_seed_offset
+
     @property
     def networks(self) -> dict[str, LPA3Callback]:
         """The per-network callbacks (each with its ``tcs`` and ``cache``) of a module that
-        declares several networks; empty for a single network (this callback holds the state)."""
+        declares several networks; empty for a single network (this callback holds the state).
+
+        Each is an ``LPA3Callback`` with this callback's settings as they are at ``setup`` (a
+        subclass's overridden methods do not carry over); ``cache_max_bytes`` bounds each
+        network's cache."""
         return dict(self._networks)
 
     def _network_callback(self, name: str, position: int) -> LPA3Callback:
-        settings = dict(self._settings)
-        if settings["seed"] is not None:
-            settings["seed"] = settings["seed"] + 7919 * position  # independent noise and first selection
-        child = LPA3Callback(**settings)
+        """A callback with this one's current settings (also those changed after construction) for
+        one network; its solver noise and first random selection are offset by its position."""
+        child = LPA3Callback(**self._settings)
+        for key, value in vars(self).items():
+            if not key.startswith("_") and key not in ("tcs", "cache", "last_grid"):
+                setattr(child, key, value)
+        if child.seed is not None:
+            child.seed = child.seed + _NETWORK_SEED_STRIDE * position
+        child._tcs_seed_offset = _NETWORK_SEED_STRIDE * position  # also without a seed: independent first picks
         child._log_prefix = f"lpa3/{name}/"
         child._metric_prefix = f"_lpa3_{name}_"
         return child
@@ -392,7 +406,11 @@ class LPA3Callback(Callback):
             return
         # the twin anchor is for the DDP fit only; a file cache is deleted with its run
         if callable(getattr(pl_module, "lpa3_model", None)):
-            anchor_twin_parameters(unwrap_compiled(pl_module.lpa3_model()), False)
+            # (a fit that failed before setup may hold a module with several networks)
+            names = None if isinstance(pl_module, NetworkView) else module_networks(pl_module)
+            models = [pl_module.lpa3_model()] if names is None else [pl_module.lpa3_model(network=n) for n in names]
+            for model in models:
+                anchor_twin_parameters(unwrap_compiled(model), False)
         if self.cache is not None:
             self.cache.close()
         self._pending = None
@@ -462,7 +480,7 @@ class LPA3Callback(Callback):
             )
         fresh = TimeConsistency(num_samples, num_classes, self.ratio, divergence=self.tcs_divergence,
                                 initial_memory=self.tcs_initial_memory, initial_selection=self.initial_selection,
-                                seed=0 if self.seed is None else self.seed, threshold_rule=self.threshold_rule)
+                                seed=self._tcs_seed(), threshold_rule=self.threshold_rule)
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
             fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
         self.tcs = fresh
@@ -806,7 +824,7 @@ class LPA3Callback(Callback):
             batch = pl_module.transfer_batch_to_device(default_collate([dataset[i] for i in range(count)]),
                                                        pl_module.device, 0)
             request = pl_module.lpa3_request(batch)
-            if request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
+            if request.inputs.shape[0] == 0 or request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
                 return  # not images: the logged perceptual distance is the picture
             model = unwrap_compiled(pl_module.lpa3_model())
             x_adv, _ = self._solve(pl_module, model, request.inputs, request.targets,
@@ -852,7 +870,7 @@ class LPA3Callback(Callback):
             self.tcs = TimeConsistency(
                 int(tcs_state["num_samples"]), int(tcs_state["num_classes"]), self.ratio,
                 divergence=self.tcs_divergence, initial_memory=self.tcs_initial_memory,
-                initial_selection=self.initial_selection, seed=0 if self.seed is None else self.seed,
+                initial_selection=self.initial_selection, seed=self._tcs_seed(),
                 threshold_rule=self.threshold_rule,
             )
             self.tcs.load_state_dict(tcs_state)

@@ -59,6 +59,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lr_drop_epoch: epoch of the tenfold learning-rate drop; None: half of ``max_epochs``;
             negative: never.
         lpa3_mixup: mix the ``x'`` up with the labeled views (as PES's LP-A3) or train them unmixed.
+        lpa3_weight: weight of the ``x'`` term after the ramp; None: ``lambda_u`` (as PES's LP-A3).
+            With the callback, a total weight of 0 is refused (the attacks would train nothing).
         twin_bn: give every BatchNorm of both networks a twin for ``x'``.
         seed: seed of the GMM's initialisation.
 
@@ -87,6 +89,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         negative_entropy: bool = False,
         lr_drop_epoch: int | None = None,
         lpa3_mixup: bool = True,
+        lpa3_weight: float | None = None,
         twin_bn: bool = True,
         seed: int = 0,
     ) -> None:
@@ -99,8 +102,9 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         for name, value in (("lr", lr), ("temperature", temperature), ("alpha", alpha), ("rampup_epochs", rampup_epochs)):
             if not value > 0:
                 raise ValueError(f"`{name}` must be > 0, got {value!r}.")
-        if lambda_u < 0:
-            raise ValueError(f"`lambda_u` must be >= 0, got {lambda_u!r}. Fix: use 25 (DivideMix, 50% noise).")
+        if lambda_u < 0 or (lpa3_weight is not None and lpa3_weight < 0):
+            raise ValueError(f"`lambda_u` and `lpa3_weight` must be >= 0, got {lambda_u!r} and {lpa3_weight!r}. Fix: "
+                             "use lambda_u=25 (DivideMix, 50% noise) and lpa3_weight=None.")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
         self.save_hyperparameters()
@@ -120,6 +124,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.dividemix_loss_history = loss_history
         self.dividemix_negative_entropy = negative_entropy
         self.dividemix_lpa3_mixup = lpa3_mixup
+        self.dividemix_lpa3_weight = lpa3_weight
         self.dividemix_seed = seed
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -148,6 +153,13 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._dm_sizes()  # a missing training-set size is named now, not at the semi phase
+        weight = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight
+        from lpa3_lightning.callback import LPA3Callback
+
+        if weight == 0 and any(isinstance(c, LPA3Callback) for c in self.trainer.callbacks):  # type: ignore[attr-defined]
+            raise ValueError("LPA3Callback is attached but the x' term's weight is 0 (lambda_u=0 and lpa3_weight=None), "
+                             "so every attack would train nothing. Fix: pass lpa3_weight=<weight> (e.g. 25), or "
+                             "drop the callback.")
         self._anchored = anchor_twins_without_callback(self.trainer, [self.net1, self.net2],
                                                        self.dividemix_warmup_epochs, "DivideMix")
 
@@ -168,8 +180,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         batches = self.trainer.num_training_batches
         per_epoch = int(batches) if math.isfinite(batches) else 1
         total = None
-        for name in self.lpa3_networks():
-            loss, parts = self.dividemix_loss(batch, name, batch_idx, per_epoch)
+        for name, (loss, parts) in self.dividemix_losses(batch, batch_idx, per_epoch).items():
             total = loss if total is None else total + loss
             for key, value in parts.items():
                 self.log(f"train/{name}/{key}", value.float())

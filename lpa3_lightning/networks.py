@@ -54,6 +54,8 @@ class NetworkView:
         object.__setattr__(self, "_network", name)
 
     def __getattr__(self, attr: str) -> Any:
+        if attr in ("_module", "_network") or (attr.startswith("__") and attr.endswith("__")):
+            raise AttributeError(attr)  # (copy and pickle look these up on an empty instance)
         return getattr(self._module, attr)
 
     def __setattr__(self, attr: str, value: Any) -> None:

@@ -184,3 +184,14 @@ def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(tmp_path):
     for name in ("net1", "net2"):  # each network's epoch aggregates are synced across the ranks
         key = f"lpa3/{name}/selected_fraction_epoch"
         assert rank0["metrics"][key] == pytest.approx(rank1["metrics"][key]) and rank0["metrics"][key] > 0
+
+
+def test_pes_splits_the_same_way_on_both_ranks_through_all_three_phases(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "pes")
+    assert torch.equal(rank0["labeled"], rank1["labeled"])  # the agreement split, all-reduced
+    assert 0 < int(rank0["labeled"].sum()) < N
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    for key, value in rank0["params"].items():  # the refine phase's partial update kept the replicas equal
+        assert torch.allclose(value, rank1["params"][key], atol=1e-6), key
+    assert rank0["metrics"]["train/num_augmented"] >= 0 and rank0["metrics"]["lpa3/selected_fraction_epoch"] > 0

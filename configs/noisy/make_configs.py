@@ -37,6 +37,10 @@ DIVIDEMIX = {  # (source, mode, rate) -> (lambda_u, threshold, epochs of loss hi
     ("cifar100", "symmetric", 0.9): (150.0, 0.6, 5),
 }
 DIVIDEMIX_WARMUP = {"cifar10": 10, "cifar100": 30}
+# Where DivideMix's lambda_u is 0 (CIFAR-10 40% asymmetric), the x' term (weighted like the unlabeled
+# loss, as PES's LP-A3) would train nothing; the LP-A3 paper gives no DivideMix setting for it, so these
+# rows weigh x' as DivideMix weighs its unlabeled loss at 50% noise (our choice, not the authors').
+LPA3_WEIGHT_WITHOUT_LAMBDA_U = 25.0
 CPU = {  # source -> (classes, sigma, noise rows, training set size)
     "mnist5k": (10, 0.02, (("symmetric", 0.5), ("symmetric", 0.8)), 4000),
     "pneumoniamnist": (2, 0.02, (("symmetric", 0.4),), 4708),
@@ -86,6 +90,7 @@ def _dividemix_model(arch: str, classes: int, channels: int, warmup: int, lambda
     loss_history: {history}
     negative_entropy: {str(negative_entropy).lower()}
     lpa3_mixup: true
+    lpa3_weight: {"null" if lambda_u > 0 else LPA3_WEIGHT_WITHOUT_LAMBDA_U}
     twin_bn: true
 """
 

@@ -88,6 +88,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         dividemix_loss_history: epochs of normalised losses averaged for the GMM (1; 5 at 90%).
         dividemix_negative_entropy: add the negative-entropy penalty in the warm-up (asymmetric noise).
         dividemix_lpa3_mixup: mix the ``x'`` up with the labeled views (True) or train them unmixed.
+        dividemix_lpa3_weight: weight of the ``x'`` term after the ramp; None (default) uses
+            ``dividemix_lambda_u``, as PES's LP-A3 does. Rows with ``lambda_u = 0`` (DivideMix's
+            CIFAR-10 asymmetric and 20% rows) need a weight of their own, or the ``x'`` train nothing.
         dividemix_seed: seed of the GMM's initialisation.
     """
 
@@ -101,6 +104,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
     dividemix_loss_history: int = 1
     dividemix_negative_entropy: bool = False
     dividemix_lpa3_mixup: bool = True
+    dividemix_lpa3_weight: float | None = None
     dividemix_seed: int = 0
     lpa3_num_samples: int | None = None
 
@@ -134,8 +138,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         return "warmup" if epoch < self.dividemix_warmup_epochs else "semi"
 
     def dividemix_current_epoch(self) -> int:
+        """The trainer's epoch; without a trainer, the one last given to :meth:`dividemix_begin_epoch`."""
         trainer = getattr(self, "_trainer", None)
-        return int(trainer.current_epoch) if trainer is not None else 0
+        return int(trainer.current_epoch) if trainer is not None else int(self._dm_state().get("epoch", 0))
 
     def _dm_sizes(self) -> tuple[int, int]:
         if self.lpa3_num_samples is None or self.lpa3_num_classes is None:
@@ -152,6 +157,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         """In the semi phase, refresh both networks' clean probabilities with ``loader`` (the
         training set's ``(x, x, noisy_label, index)`` batches, evaluation view), both before
         either network trains this epoch."""
+        self._dm_state()["epoch"] = int(epoch)
         if self.dividemix_phase(epoch) == "semi":
             self.dividemix_refresh_split(loader)
 
@@ -287,7 +293,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             loss = F.cross_entropy(logits, y.long())
             if self.dividemix_negative_entropy:
                 loss = loss + negative_entropy(logits)
-            self.lpa3_take_augmented(network=network)  # no x' is trained in the warm-up
+            # no x' is trained in the warm-up: left untaken, so the callback counts it as not trained on
             parts = {"loss_labeled": loss.detach(), "loss_unlabeled": zero, "loss_prior": zero, "loss_lpa3": zero,
                      "unlabeled_weight": zero, "labeled_share": torch.ones(()), "num_augmented": zero}
             return loss, parts
@@ -310,8 +316,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         loss_l = soft_cross_entropy(logits[: 2 * n_lab], mixed_t[: 2 * n_lab])
         loss_u = probability_mse(logits[2 * n_lab:], mixed_t[2 * n_lab:])
         loss_p = prior_penalty(logits)
-        ramp = self.dividemix_lambda_u * linear_rampup(epoch + batch_idx / max(1, batches_per_epoch),
-                                                       self.dividemix_warmup_epochs, self.dividemix_rampup_epochs)
+        ramp = linear_rampup(epoch + batch_idx / max(1, batches_per_epoch), self.dividemix_warmup_epochs,
+                             self.dividemix_rampup_epochs)
+        weight_a = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight
         loss_a, num_aug = zero, 0
         augmented = self.lpa3_take_augmented(network=network)
         if augmented is not None and len(augmented):
@@ -319,11 +326,21 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                                              torch.cat([x1[labeled], x2[labeled]]), torch.cat([refined, refined]),
                                              lam, mix=self.dividemix_lpa3_mixup)
             num_aug = len(augmented)
-        loss = loss_l + ramp * (loss_u + loss_a) + loss_p
+        loss = loss_l + ramp * (self.dividemix_lambda_u * loss_u + weight_a * loss_a) + loss_p
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_prior": loss_p.detach(),
-                 "loss_lpa3": loss_a.detach(), "unlabeled_weight": torch.tensor(ramp),
+                 "loss_lpa3": loss_a.detach(), "unlabeled_weight": torch.tensor(self.dividemix_lambda_u * ramp),
                  "labeled_share": labeled.float().mean(), "num_augmented": torch.tensor(float(num_aug))}
         return loss, parts
+
+    def dividemix_losses(self, batch: Any, batch_idx: int = 0,
+                         batches_per_epoch: int = 1) -> dict[str, tuple[Tensor, dict[str, Tensor]]]:
+        """:meth:`dividemix_loss` of every network, with every co-guess made before the first
+        network's training forward (which moves its BatchNorm statistics): with or without the
+        callback, the guesses come from the networks as they are at the start of the step."""
+        if self.dividemix_phase(self.dividemix_current_epoch()) == "semi":
+            for name in self.lpa3_networks():
+                self.dividemix_guess(batch, name)
+        return {name: self.dividemix_loss(batch, name, batch_idx, batches_per_epoch) for name in self.lpa3_networks()}
 
     # ------------------------------------------------------------------ checkpoint
     def dividemix_state_dict(self) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def split_two_view_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     described = f"{type(batch).__name__} of length {len(batch)}" if isinstance(batch, Sequence) else \
         type(batch).__name__
     raise ValueError(
-        f"PES needs batches (x_view1, x_view2, noisy_label, index), got {described}. Fix: use "
+        f"PES and DivideMix need batches (x_view1, x_view2, noisy_label, index), got {described}. Fix: use "
         "`lpa3_lightning.data.NoisyLabelDataModule`, or a dataset that returns two augmented views of each "
         "image, its noisy label and its dataset index."
     )
@@ -278,7 +278,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             loss = F.cross_entropy(logits, y)
             parts = {"loss_labeled": loss.detach(), "loss_unlabeled": zero, "loss_lpa3": zero,
                      "unlabeled_weight": zero, "labeled_share": torch.ones(()), "num_augmented": zero}
-            self.lpa3_take_augmented()  # nothing is trained on x' before the semi phase
+            # nothing is trained on x' before the semi phase: left untaken, so the callback counts it as not trained on
             return loss, parts
         labeled = self._pes_split_rows(idx)
         guess = self.pes_guess(batch)

@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
     python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1,user_module,
-                                         bad_index_rank1,crash_rank1,fixmatch,dividemix}
+                                         bad_index_rank1,crash_rank1,fixmatch,pes,dividemix}
 
 'supervised' also caches x' (regenerate_every_n_epochs=2). 'user_module' trains a module
 written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
@@ -146,6 +146,22 @@ def main(out: Path, mode: str) -> None:
                              enable_model_summary=False, default_root_dir=out)
         trainer.fit(module, _loaders(n_unlabeled=64, batch=2, mu=4))
         torch.save({"tcs": callback.tcs.state_dict(), "parts": module.parts,
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   out / f"rank{trainer.global_rank}.pt")
+        return
+    if mode == "pes":
+        from lpa3_lightning import PESClassifier
+        from tests.mixins.test_pes import NoisyTwoViews, _net
+
+        module = PESClassifier(num_classes=3, num_samples=N, model=_net(), early_epochs=1, refine_epochs=1,
+                               lambda_u=5.0, rampup_epochs=1.0)
+        callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=2)
+        trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS + 1, callbacks=[callback],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out)
+        trainer.fit(module, DataLoader(NoisyTwoViews(N), batch_size=PER_RANK_BATCH, shuffle=True))
+        torch.save({"tcs": callback.tcs.state_dict(), "labeled": module._pes_labeled.cpu(),
+                    "params": {k: v.detach().clone() for k, v in module.named_parameters()},
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    out / f"rank{trainer.global_rank}.pt")
         return

@@ -62,18 +62,26 @@ def test_the_split_marks_the_samples_whose_noisy_label_has_a_high_loss():
     by_index = [(torch.full((1, 4, 4), float(i)), torch.full((1, 4, 4), float(i)), data.noisy[i], i) for i in range(N)]
 
     class Oracle(nn.Module):
-        def __init__(self) -> None:
+        """Answers each image's clean label, except on the indices in ``wrong`` (the next class)."""
+
+        def __init__(self, wrong: torch.Tensor) -> None:
             super().__init__()
             self.scale = nn.Parameter(torch.ones(()))
+            self.wrong = wrong
 
-        def forward(self, x):  # each image carries its index; the oracle answers its clean label
-            return self.scale * 6.0 * F.one_hot(data.clean[x[:, 0, 0, 0].round().long()], NUM_CLASSES).float()
+        def forward(self, x):  # each image carries its index
+            i = x[:, 0, 0, 0].round().long()
+            label = torch.where(self.wrong[i], (data.clean[i] + 1) % NUM_CLASSES, data.clean[i])
+            return self.scale * 6.0 * F.one_hot(label, NUM_CLASSES).float()
 
+    # network 1 knows every clean label; network 2 is wrong on the even indices that are not flipped
+    even = torch.arange(N) % 2 == 0
     module = TwoNets()
-    module.a, module.b = Oracle(), Oracle()
+    module.a, module.b = Oracle(torch.zeros(N, dtype=torch.bool)), Oracle(even & ~flipped)
     prob = module.dividemix_refresh_split(DataLoader(by_index, batch_size=10, shuffle=True))
-    for name in ("net1", "net2"):
-        assert bool((prob[name][flipped] < 0.1).all()) and bool((prob[name][~flipped] > 0.9).all()), name
+    assert bool((prob["net1"][flipped] < 0.1).all()) and bool((prob["net1"][~flipped] > 0.9).all())
+    suspicious = flipped | even  # for network 2 the even clean samples look noisy too
+    assert bool((prob["net2"][suspicious] < 0.1).all()) and bool((prob["net2"][~suspicious] > 0.9).all())
 
 
 def test_the_split_refuses_a_loader_that_leaves_samples_out():
@@ -159,3 +167,29 @@ def test_a_network_must_be_named():
         module.lpa3_model(network="net3")
     with pytest.raises(RuntimeError, match="dividemix_begin_epoch"):
         module.lpa3_request(_batch(), network="net1")
+
+
+def test_every_guess_is_made_before_the_first_networks_training_forward(monkeypatch):
+    """dividemix_losses (no callback) equals the callback's order (both requests, then the losses),
+    and differs from guessing network 2 after network 1's training forward moved its statistics."""
+    monkeypatch.setattr("lpa3_lightning.mixins.dividemix.mixup_lambda", lambda alpha: 0.7)
+    module = TwoNets()
+    _planted_split(module)
+    for net in (module.a, module.b):  # running statistics away from their initial values
+        net.train()
+        with torch.no_grad():
+            net(torch.randn(16, 1, 28, 28) * 2 + 1)
+    batch = _batch()
+    callback_order, naive = copy.deepcopy(module), copy.deepcopy(module)
+    torch.manual_seed(5)
+    together = module.dividemix_losses(batch)
+    for name in ("net1", "net2"):
+        callback_order.lpa3_request(batch, network=name)
+    torch.manual_seed(5)
+    in_order = {name: callback_order.dividemix_loss(batch, name) for name in ("net1", "net2")}
+    torch.manual_seed(5)
+    one_after_other = {name: naive.dividemix_loss(batch, name) for name in ("net1", "net2")}
+    for name in ("net1", "net2"):
+        assert torch.allclose(together[name][0], in_order[name][0], atol=1e-6), name
+    assert torch.allclose(together["net1"][0], one_after_other["net1"][0], atol=1e-6)
+    assert not torch.allclose(together["net2"][0], one_after_other["net2"][0], atol=1e-4)

@@ -14,7 +14,9 @@ from lpa3_lightning.models import SmallCNN, small_cnn
 def test_shapes(channels, side, classes):
     net = small_cnn(in_channels=channels, num_classes=classes)
     assert tuple(net(torch.randn(3, channels, side, side)).shape) == (3, classes)
-    assert 80_000 < sum(p.numel() for p in small_cnn().parameters()) < 110_000
+    assert 100_000 < sum(p.numel() for p in small_cnn().parameters()) < 130_000
+    global_average = small_cnn(pool_size=1)  # the earlier head: one average per channel
+    assert global_average.fc.in_features == 128 and small_cnn().fc.in_features == 128 * 16
     assert not any(isinstance(m, torch.nn.Dropout) for m in net.modules())
 
 
