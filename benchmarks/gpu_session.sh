@@ -22,7 +22,11 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs > "$OUT/t
 # 2. solver speed against the authors' loop on the GPU
 timeout 90 $PY benchmarks/solver_speed.py --device cuda --repeats 5 --data "$DATA" > "$OUT/solver_speed.log" 2>&1
 # 3. training overhead (one process per configuration, nothing else on the GPU)
-timeout 120 $PY benchmarks/step_overhead.py --accelerator gpu --epochs 5 > "$OUT/step_overhead.log" 2>&1
+#    (lpa3 = the sync-free path, lpa3_eager = the default path: before/after in one run)
+timeout 150 $PY benchmarks/step_overhead.py --accelerator gpu --epochs 5 --ratio 0.3 > "$OUT/step_overhead.log" 2>&1
+# 3b. kernel launches per step, sync-free and default path
+timeout 60 $PY benchmarks/profile_step.py --accelerator gpu --sync-free true > "$OUT/profile_sync_free.log" 2>&1
+timeout 60 $PY benchmarks/profile_step.py --accelerator gpu --sync-free false > "$OUT/profile_eager.log" 2>&1
 # 4. the MedMNIST table, in the time left of ${SESSION_SECONDS:-540} s: BreastMNIST at 50 epochs and
 #    PneumoniaMNIST at 12, 16 runs at a time (6 + 10 processes share the GPU and the 16 cores);
 #    runs still going at the deadline stop after their epoch and are left out of the table

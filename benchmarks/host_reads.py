@@ -8,88 +8,31 @@ depends on the data) waits for the device: a synchronisation. This script counts
 CPU, where they cost nothing but happen at the same places, by patching those methods for the
 duration of one training step (the callback's ``on_train_batch_start``, ``training_step`` and
 the callback's ``on_train_batch_end``) after a warm-up epoch, and counts the operators the step
-dispatches (torch profiler events). It prints both for the plain step (no callback) and the
-LP-A3 step, and the LP-A3 step's reads by call site in the package.
+dispatches (torch profiler events). It prints them for the plain step (no callback), the
+LP-A3 step on the default path and on the sync-free path (``LPA3Callback(sync_free=True)``,
+the path ``sync_free="auto"`` takes on a GPU), and each LP-A3 step's reads by call site in the
+package (the counter is :class:`lpa3_lightning.host_reads.HostReadCounter`).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-READS = ("item", "__bool__", "__int__", "__float__", "tolist", "nonzero")
 
-
-class HostReadCounter:
-    """Counts host reads of tensor values while active; ``sites`` keeps the package frame of each."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.torch = torch
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.sites: collections.Counter[str] = collections.Counter()
-        self._saved: dict[str, object] = {}
-
-    def _site(self) -> str:
-        for frame in reversed(traceback.extract_stack()[:-2]):
-            if "lpa3_lightning" in frame.filename:
-                return f"{Path(frame.filename).name}:{frame.lineno} {frame.line}"
-        return "(outside the package)"
-
-    def _wrap(self, name: str, original):
-        counter = self
-
-        def wrapped(tensor, *args, **kwargs):
-            if not getattr(counter, "_inside", False):
-                counter._inside = True
-                try:
-                    counter.counts[name] += 1
-                    counter.sites[counter._site()] += 1
-                finally:
-                    counter._inside = False
-            return original(tensor, *args, **kwargs)
-
-        return wrapped
-
-    def __enter__(self) -> "HostReadCounter":
-        Tensor = self.torch.Tensor
-        for name in (*READS, "__getitem__"):
-            self._saved[name] = getattr(Tensor, name)
-        for name in READS:
-            setattr(Tensor, name, self._wrap(name, self._saved[name]))
-        getitem = self._saved["__getitem__"]
-        counter = self
-
-        def masked_getitem(tensor, index):
-            parts = index if isinstance(index, tuple) else (index,)
-            if any(isinstance(p, counter.torch.Tensor) and p.dtype == counter.torch.bool for p in parts):
-                if not getattr(counter, "_inside", False):
-                    counter.counts["boolean mask index"] += 1
-                    counter.sites[counter._site()] += 1
-            return getitem(tensor, index)
-
-        Tensor.__getitem__ = masked_getitem
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(self.torch.Tensor, name, original)
-
-
-def measure(with_lpa3: bool, args: argparse.Namespace) -> dict:
+def measure(sync_free: bool | None, args: argparse.Namespace) -> dict:
+    """One step's reads and operators: no callback (``sync_free=None``) or LP-A3 on that path."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from torch.profiler import ProfilerActivity, profile
 
     from lpa3_lightning import LPA3Callback, LPA3Classifier
     from lpa3_lightning.data import MedMNISTDataModule
+    from lpa3_lightning.host_reads import HostReadCounter
 
     result: dict = {}
 
@@ -121,8 +64,8 @@ def measure(with_lpa3: bool, args: argparse.Namespace) -> dict:
     module = LPA3Classifier(arch=args.arch, num_classes=2, in_channels=1)
     one = OneStep()
     callbacks: list = [one]
-    if with_lpa3:
-        callbacks.append(LPA3Callback(ratio=args.ratio, steps=args.steps, seed=0))
+    if sync_free is not None:
+        callbacks.append(LPA3Callback(ratio=args.ratio, steps=args.steps, seed=0, sync_free=sync_free))
     callbacks.append(Closer())
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -139,16 +82,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--sites", type=int, default=30, help="call sites to list")
     args = parser.parse_args()
-    plain, lpa3 = measure(False, args), measure(True, args)
+    runs = {"plain": measure(None, args), "LP-A3 (default path)": measure(False, args),
+            "LP-A3 (sync_free=True)": measure(True, args)}
     print(f"\none training step, {args.arch}, batch {args.batch}, ratio {args.ratio}, {args.steps} solver steps")
-    print("| step | host reads of device values | by kind | operators dispatched |")
-    print("|---|---|---|---|")
-    for name, r in (("plain", plain), ("LP-A3", lpa3)):
-        print(f"| {name} | {sum(r['reads'].values())} | {r['reads']} | {r['operators']} |")
-    print(f"operators: LP-A3 / plain = {lpa3['operators'] / max(1, plain['operators']):.1f}x")
-    print("\nLP-A3 step's host reads by call site:")
-    for site, count in lpa3["sites"]:
-        print(f"{count:5d}  {site}")
+    print("| step | host reads of device values | by kind | operators dispatched | operators / plain |")
+    print("|---|---|---|---|---|")
+    plain_ops = max(1, runs["plain"]["operators"])
+    for name, r in runs.items():
+        print(f"| {name} | {sum(r['reads'].values())} | {r['reads']} | {r['operators']} | "
+              f"{r['operators'] / plain_ops:.1f}x |")
+    for name in list(runs)[1:]:
+        print(f"\n{name}: host reads by call site:")
+        for site, count in runs[name]["sites"]:
+            print(f"{count:5d}  {site}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where an LP-A3 training step spends its time: torch.profiler over a few steps.
 
-    python benchmarks/profile_step.py [--accelerator gpu] [--fast] [--steps 4]
+    python benchmarks/profile_step.py [--accelerator gpu] [--fast] [--sync-free {auto,true,false}] [--steps 4]
 
 ResNet-18 (MedMNIST stem) on the embedded BreastMNIST, batch 128, LPA3Callback(ratio=0.3,
 steps=5) after one warm-up epoch; profiles ``--steps`` training steps of the second epoch
@@ -24,6 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--fast", action="store_true")
+    parser.add_argument("--sync-free", default="auto", choices=("auto", "true", "false"),
+                        help="LPA3Callback(sync_free=...): auto is the sync-free path on a GPU")
     parser.add_argument("--steps", type=int, default=4, help="at most 5 (one epoch of BreastMNIST)")
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
@@ -72,7 +74,9 @@ def main() -> None:
     pl.seed_everything(0)
     profiled = Profiled()
     trainer = pl.Trainer(max_epochs=2, accelerator=args.accelerator, devices=1, logger=False,
-                         callbacks=[LPA3Callback(ratio=0.3, steps=5, warmup_epochs=1, seed=0, fast=args.fast), profiled],
+                         callbacks=[LPA3Callback(ratio=0.3, steps=5, warmup_epochs=1, seed=0, fast=args.fast,
+                                                      sync_free={"auto": "auto", "true": True,
+                                                                 "false": False}[args.sync_free]), profiled],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
     data = MedMNISTDataModule("breastmnist", batch_size=128)

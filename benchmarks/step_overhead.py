@@ -6,6 +6,8 @@ ResNet-18 (MedMNIST stem) on the embedded BreastMNIST train split (546 images, 2
 batch 128, Adam, one process per configuration (so peak memory is per configuration):
   baseline        LPA3Classifier without the callback (no twin BN)
   lpa3            + LPA3Callback(ratio=--ratio (0.5, the MedMNIST table's), steps=5), default solver
+                  (sync_free="auto": the sync-free per-batch path on a GPU, the default path on the CPU)
+  lpa3_eager      the same with sync_free=False (the default path everywhere; on a GPU, the "before")
   lpa3_fast       + the same with fast=True
   lpa3_cached     + the default solver with regenerate_every_n_epochs=10
   lpa3_cached_lazy  the same with attack_new_selections=False (solver in regeneration epochs only)
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import StepTimer, sync  # noqa: E402
-CONFIGS = ("baseline", "lpa3", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy")
+CONFIGS = ("baseline", "lpa3", "lpa3_eager", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy")
 
 
 def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> dict:
@@ -53,7 +55,8 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
     if config != "baseline":
         callbacks.append(LPA3Callback(ratio=ratio, steps=5, warmup_epochs=1, seed=0, fast=config == "lpa3_fast",
                                       regenerate_every_n_epochs=10 if config.startswith("lpa3_cached") else 1,
-                                      attack_new_selections=config != "lpa3_cached_lazy"))
+                                      attack_new_selections=config != "lpa3_cached_lazy",
+                                      sync_free=False if config == "lpa3_eager" else "auto"))
     module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=config != "baseline")
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -40,7 +40,7 @@ from lpa3_lightning.dual_bn import TwinStatistics, frozen_twin_bn, has_dual_bn
 from lpa3_lightning.features import PerceptualFeatures, eval_mode, output_to_logits, unwrap_compiled
 
 __all__ = [
-    "AttackStats", "InputRange", "MaxStep", "auto_max_step", "check_max_step", "check_solver_arguments", "full_float32",
+    "AttackStats", "InputRange", "MaxStep", "auto_max_step", "auto_max_step_tensor", "check_max_step", "check_solver_arguments", "full_float32",
     "label_log_prob", "lpa3_attack", "parameter_dtype", "resolve_input_range",
 ]
 
@@ -74,12 +74,13 @@ class AttackStats:
     l2: Tensor
 
 
-def resolve_input_range(input_range: InputRange, x: Tensor) -> tuple[Tensor, Tensor] | None:
+def resolve_input_range(input_range: InputRange, x: Tensor, check_values: bool = True) -> tuple[Tensor, Tensor] | None:
     """Turn ``input_range`` into ``(low, high)`` tensors broadcastable to ``x``.
 
     Per-channel sequences apply along dim 1. A mapping ``{"mean", "std"}`` describes a
     normalisation ``(v - mean) / std`` of values that were in ``[0, 1]`` (override with a
-    ``"pixel_range": (lo, hi)`` key).
+    ``"pixel_range": (lo, hi)`` key). ``check_values=False`` skips the checks that read the
+    values on the host (positive std, low < high): for a range checked once before.
 
     Raises:
         ValueError: on a malformed range, naming the argument and the fix.
@@ -108,7 +109,7 @@ def resolve_input_range(input_range: InputRange, x: Tensor) -> tuple[Tensor, Ten
                 f"inputs), got keys {sorted(input_range)}. Fix: pass {{'mean': [...], 'std': [...]}} or (low, high)."
             )
         mean, std = as_tensor(input_range["mean"], "mean"), as_tensor(input_range["std"], "std")
-        if bool((std <= 0).any()):
+        if check_values and bool((std <= 0).any()):
             raise ValueError("`input_range` std must be positive. Fix: pass the std of the normalisation.")
         lo, hi = input_range.get("pixel_range", (0.0, 1.0))
         low, high = (lo - mean) / std, (hi - mean) / std
@@ -118,7 +119,7 @@ def resolve_input_range(input_range: InputRange, x: Tensor) -> tuple[Tensor, Ten
         raise ValueError(
             f"`input_range` must be None, (low, high) or {{'mean': ..., 'std': ...}}, got {input_range!r}."
         )
-    if bool((low >= high).any()):
+    if check_values and bool((low >= high).any()):
         raise ValueError(f"`input_range` needs low < high everywhere, got low={low.flatten().tolist()}, "
                          f"high={high.flatten().tolist()}.")
     return low, high
@@ -305,6 +306,27 @@ def auto_max_step(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> float:
     return AUTO_MAX_STEP_FRACTION * diagonal
 
 
+def auto_max_step_tensor(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> Tensor:
+    """:func:`auto_max_step` as a 0-dim tensor on ``x``'s device, computed without a host read.
+
+    Example:
+        >>> x = torch.zeros(2, 1, 28, 28)
+        >>> round(float(auto_max_step_tensor(x, (torch.tensor(-1.0), torch.tensor(1.0)))), 2)
+        1.12
+    """
+    sample = x[:1]
+    if bounds is not None:
+        width = (bounds[1] - bounds[0]).expand_as(sample)
+        return AUTO_MAX_STEP_FRACTION * width.float().pow(2).sum().sqrt()
+    flat = x.detach().float().flatten(1)
+    spread = AUTO_BOX_STDS * flat.var(dim=0, unbiased=False).sum().sqrt() if flat.shape[0] > 1 \
+        else flat.new_zeros(())
+    # the same fallbacks as auto_max_step, chosen on the device
+    norm = flat.norm(dim=1).mean()
+    diagonal = torch.where(spread > 0, spread, torch.where(norm > 0, norm, norm.new_tensor(math.sqrt(flat.shape[1]))))
+    return AUTO_MAX_STEP_FRACTION * diagonal
+
+
 def lpa3_attack(
     model: nn.Module,
     x: Tensor,
@@ -326,6 +348,7 @@ def lpa3_attack(
     allow_tf32: bool = False,
     twin_statistics: TwinStatistics | None = None,
     return_stats: bool = False,
+    sync_free: bool = False,
 ) -> Tensor | tuple[Tensor, AttackStats]:
     """Generate LP-A3 hard positives ``x'`` for a batch.
 
@@ -376,6 +399,16 @@ def lpa3_attack(
             ``x``. The callback captures them once per batch from all the selected clean
             samples and trains ``x'`` with the same ones.
         return_stats: also return :class:`AttackStats`.
+        sync_free: never read a device value on the host (no GPU synchronisation inside the
+            call): the bisection evaluates every sample in each of its ``bisection_steps``
+            iterations (a sample that already keeps the constraint keeps ``alpha = 1``) instead
+            of only the violating ones, and runs even when none violates; the step bound is a
+            tensor; the value checks of ``x`` (finite), ``y`` (in range) and ``input_range``
+            (:func:`resolve_input_range`) are left to the caller (:class:`~lpa3_lightning.LPA3Callback` makes them in its one host read per
+            step): a non-finite sample comes back unchanged and ``preserved=False``. Same
+            ``x'`` as the default path up to float rounding of the batched forwards; more
+            compute (``bisection_steps`` forwards of the whole batch), so the default (False)
+            suits the CPU.
 
     Returns:
         ``x'`` detached, with the shape, dtype and device of ``x``; and the stats if asked.
@@ -410,10 +443,13 @@ def lpa3_attack(
         empty = torch.zeros(0, device=x.device)
         stats = AttackStats(empty, empty, empty.bool(), empty.bool(), empty)
         return (x.detach().clone(), stats) if return_stats else x.detach().clone()
-    if not bool(torch.isfinite(x).all()):
+    if not isinstance(sync_free, bool):
+        raise ValueError(f"`sync_free` must be True or False, got {sync_free!r}. Fix: use False on the CPU.")
+    if not sync_free and not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x.flatten(1))).any(1).nonzero().flatten().tolist()
         raise ValueError(f"`x` has NaN or Inf in samples {bad[:10]}. Fix: drop those samples before the attack.")
     out_dtype = x.dtype
+    x_given = x.detach()
     # Precision: the solver runs with autocast off, in the dtype of the model's parameters
     # (float32 under "bf16-mixed" / "16-mixed"). The margin sigma (0.002 to 0.02 in log p)
     # and the finite-difference slope are below what bfloat16 resolves (~3 significant
@@ -422,19 +458,28 @@ def lpa3_attack(
     # is off inside the solver: measured on an H200, with it a re-evaluation of x' broke the
     # constraint by more than float noise on 2 of 64 samples.
     x = x.detach().to(parameter_dtype(model, x.dtype))
-    bounds = resolve_input_range(input_range, x)
+    if sync_free:  # a non-finite sample is attacked as zeros and returned unchanged
+        finite = torch.isfinite(x.flatten(1)).all(dim=1)
+        x = torch.where(_per_sample(finite, x), x, torch.zeros_like(x))
+    bounds = resolve_input_range(input_range, x, check_values=not sync_free)
     feats = PerceptualFeatures(model, layers=layers, logits_fn=logits_fn)
 
     def clamp(v: Tensor) -> Tensor:
         return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
 
-    step_bound = auto_max_step(x, bounds) if max_step == "auto" else max_step
+    if max_step == "auto":
+        step_bound: float | Tensor | None = auto_max_step_tensor(x, bounds) if sync_free else auto_max_step(x, bounds)
+    else:
+        step_bound = max_step
 
     with _attack_mode(model, bn_mode, twin_statistics), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
             full_float32(x.device, enabled=not allow_tf32):
         with torch.no_grad():
             logits0, phi0 = feats(x)
-            if logits0.dim() != 2 or int(y.max()) >= logits0.shape[1] or int(y.min()) < 0:
+            if logits0.dim() != 2:
+                raise ValueError(f"The model's logits must have shape (N, classes), got {tuple(logits0.shape)}. "
+                                 "Fix: pass `logits_fn` mapping the output to logits.")
+            if not sync_free and (int(y.max()) >= logits0.shape[1] or int(y.min()) < 0):
                 raise ValueError(
                     f"`y` must hold class indices in [0, {logits0.shape[1] - 1}] for logits of shape "
                     f"{tuple(logits0.shape)}, got values in [{int(y.min())}, {int(y.max())}]. Fix: pass labels as "
@@ -466,24 +511,32 @@ def lpa3_attack(
                 # fast: the first step's slope is reused (no extra forward after step 0)
                 length = step / (slope + SLOPE_EPS)
                 if step_bound is not None:
-                    length = length.clamp(max=step_bound)
+                    length = torch.clamp(length, max=step_bound)
                 delta = clamp(x + delta - g_hat * _per_sample(length, x).to(x.dtype)) - x
 
         with torch.no_grad():
             evaluate = _Evaluator(feats, x, y, phi0, temperature)
             alpha = torch.ones(n, device=x.device)
-            logp_final, dist_final = evaluate(delta, alpha, torch.ones(n, dtype=torch.bool, device=x.device))
+            logp_final, dist_final = evaluate(delta, alpha)
             ok = logp_final >= logp0 - sigma
             projected = torch.zeros_like(ok)
             if best is not None:
                 best.offer(delta, logp_final, dist_final, logp0 - sigma)
                 projected = ~ok  # as in the default mode: the final iterate broke the constraint
                 delta, logp_final, dist_final = best.delta, best.logp, best.dist
+            elif project and sync_free:
+                projected = ~ok
+                alpha, logp_final, dist_final = _bisect_all_rows(evaluate, delta, ok, logp_final, dist_final, logp0,
+                                                                 sigma, bisection_steps)
             elif project and not bool(ok.all()):
                 projected = ~ok
                 alpha, logp_final, dist_final = _bisect(evaluate, delta, ok, logp_final, dist_final, logp0, sigma,
                                                         bisection_steps)
-            x_adv = (x + _per_sample(alpha, x).to(x.dtype) * delta).detach().to(out_dtype)
+            x_adv = (x + _per_sample(alpha, x).to(x.dtype) * delta).detach()
+            if sync_free:
+                x_adv = torch.where(_per_sample(finite, x), x_adv, x_given)
+                logp_final = torch.where(finite, logp_final, torch.full_like(logp_final, float("nan")))
+            x_adv = x_adv.to(out_dtype)
 
     if not return_stats:
         return x_adv
@@ -510,10 +563,10 @@ class _BestFeasible:
         self.dist = torch.zeros_like(logp0)
 
     def offer(self, delta: Tensor, logp: Tensor, dist: Tensor, floor: Tensor) -> None:
-        better = (logp >= floor) & (dist >= self.dist)
-        self.delta[better] = delta[better]
-        self.logp[better] = logp[better]
-        self.dist[better] = dist[better]
+        better = (logp >= floor) & (dist >= self.dist)  # selected with torch.where: no host read
+        self.delta = torch.where(_per_sample(better, delta), delta, self.delta)
+        self.logp = torch.where(better, logp, self.logp)
+        self.dist = torch.where(better, dist, self.dist)
 
 
 class _Evaluator:
@@ -526,11 +579,13 @@ class _Evaluator:
         self.feats, self.x, self.y, self.phi0 = feats, x, y, phi0
         self.temperature = temperature
 
-    def __call__(self, delta: Tensor, alpha: Tensor, which: Tensor) -> tuple[Tensor, Tensor]:
-        x_eval = self.x[which] + _per_sample(alpha[which], self.x).to(self.x.dtype) * delta[which]
-        logits, phi = self.feats(x_eval)
-        logp = _label_logp(logits, self.y[which], self.temperature)
-        return logp, (phi - self.phi0[which]).norm(dim=1)
+    def __call__(self, delta: Tensor, alpha: Tensor, which: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Evaluate the samples ``which`` (a boolean mask: a host read), or all of them (None)."""
+        x, y, phi0 = self.x, self.y, self.phi0
+        if which is not None:
+            x, y, phi0, alpha, delta = x[which], y[which], phi0[which], alpha[which], delta[which]
+        logits, phi = self.feats(x + _per_sample(alpha, x).to(x.dtype) * delta)
+        return _label_logp(logits, y, self.temperature), (phi - phi0).norm(dim=1)
 
 
 def _bisect(evaluate: _Evaluator, delta: Tensor, ok: Tensor, logp: Tensor, dist: Tensor, logp0: Tensor,
@@ -554,4 +609,29 @@ def _bisect(evaluate: _Evaluator, delta: Tensor, ok: Tensor, logp: Tensor, dist:
         logp[up] = logp_mid[good]
         dist[up] = dist_mid[good]
         hi[down] = mid[down]
+    return lo, logp, dist
+
+
+def _bisect_all_rows(evaluate: _Evaluator, delta: Tensor, ok: Tensor, logp: Tensor, dist: Tensor, logp0: Tensor,
+                     sigma: float, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_bisect` without a host read: every sample is evaluated in every iteration.
+
+    A sample that keeps the constraint at ``alpha = 1`` is evaluated there again and keeps it
+    (its rows only cost compute); the others halve ``[lo, hi]`` as in :func:`_bisect`, with the
+    updates selected by ``torch.where`` instead of indexing the violating subset.
+    """
+    todo = ~ok
+    lo = torch.where(ok, 1.0, 0.0)
+    hi = torch.ones_like(lo)
+    logp = torch.where(ok, logp, logp0)
+    dist = torch.where(ok, dist, torch.zeros_like(dist))
+    for _ in range(steps):
+        mid = torch.where(todo, (lo + hi) / 2, lo)
+        logp_mid, dist_mid = evaluate(delta, mid)
+        good = logp_mid >= logp0 - sigma
+        up, down = todo & good, todo & ~good
+        lo = torch.where(up, mid, lo)
+        logp = torch.where(up, logp_mid, logp)
+        dist = torch.where(up, dist_mid, dist)
+        hi = torch.where(down, mid, hi)
     return lo, logp, dist

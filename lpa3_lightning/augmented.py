@@ -9,12 +9,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from lpa3_lightning.attack import AttackStats
 from lpa3_lightning.dual_bn import TwinStatistics
 
-__all__ = ["AugmentedBatch", "LPA3Request"]
+__all__ = ["AugmentedBatch", "LPA3Request", "selected_positions"]
+
+
+def selected_positions(mask: Tensor, count: int) -> Tensor:
+    """The positions of the ``count`` True entries of ``mask``, in order, without a host read.
+
+    ``mask.nonzero()`` (and ``x[mask]``) must read the number of True entries on the host
+    (a GPU synchronisation); when the caller knows it, a stable sort puts the True positions
+    first instead.
+
+    Example:
+        >>> selected_positions(torch.tensor([False, True, False, True]), 2).tolist()
+        [1, 3]
+    """
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
 
 
 @dataclass
@@ -69,3 +84,12 @@ class AugmentedBatch:
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])
+
+    def positions(self) -> Tensor:
+        """The batch positions of the ``M`` rows (``mask``'s True entries, in order), without a host read.
+
+        Use it to pick per-sample values of the batch for the ``x'`` (e.g.
+        ``confidence.index_select(0, augmented.positions())``); ``confidence[augmented.mask]``
+        gives the same values but reads the mask on the host.
+        """
+        return selected_positions(self.mask, len(self))

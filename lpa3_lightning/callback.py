@@ -14,18 +14,19 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import default_collate
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import SumMetric
 
 from lpa3_lightning.attack import (
-    InputRange, MaxStep, check_max_step, check_solver_arguments, label_log_prob, lpa3_attack,
+    InputRange, MaxStep, check_max_step, check_solver_arguments, label_log_prob, lpa3_attack, resolve_input_range,
 )
-from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.augmented import AugmentedBatch, LPA3Request, selected_positions
 from lpa3_lightning.augmented_forward import running_statistics
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
-from lpa3_lightning.checks import check_class_labels, check_dataset_indices
+from lpa3_lightning.checks import check_class_labels, check_dataset_indices, count_out_of_range
 from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
 from lpa3_lightning.dual_bn import DualSyncBatchNorm, anchor_twin_parameters, has_dual_bn
 from lpa3_lightning.features import resolve_layers, unwrap_compiled
+from lpa3_lightning.metrics import NanIgnoringMean
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
 from lpa3_lightning.networks import NetworkView, module_networks
 from lpa3_lightning.selection import check_initial_selection, check_ratio, check_threshold_rule
@@ -148,6 +149,17 @@ class LPA3Callback(Callback):
             run regenerates the ``x'`` it would have reused (its first epoch is a regeneration).
         log_eval_preservation: log ``lpa3/label_preserved_eval`` (one extra no-grad forward of
             the selected ``x`` and ``x'`` per step).
+        sync_free: the per-batch path without host reads of device values (each one is a GPU
+            synchronisation): ``"auto"`` (default) on any accelerator, not on the CPU. The TCS
+            memory then lives on the module's device; selection, solver (``sync_free=True`` of
+            :func:`~lpa3_lightning.attack.lpa3_attack`: a bisection over all rows), statistics
+            and the TCS update run on the device, and the one host read of a step fetches,
+            in one copy, the number of selected samples together with the counts of bad
+            indices, labels and non-finite inputs (a bad value then raises the same named
+            error as the default path). ``lpa3/solver_seconds`` is not logged (timing the
+            solver needs a synchronisation). With ``regenerate_every_n_epochs > 1`` the cache's
+            reuse plan still reads on the host. Same ``x'`` as the default path up to float
+            rounding; True on the CPU only costs compute (tests, counting reads).
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -188,6 +200,7 @@ class LPA3Callback(Callback):
         threshold_rule: Literal["count", "authors"] = "count",
         checkpoint_cache: bool = False,
         log_eval_preservation: bool = True,
+        sync_free: bool | Literal["auto"] = "auto",
     ) -> None:
         # the settings, for the per-network callbacks of a module with several networks
         self._settings = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -219,6 +232,12 @@ class LPA3Callback(Callback):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
         self.checkpoint_cache = checkpoint_cache
         self.log_eval_preservation = log_eval_preservation
+        if sync_free not in (True, False, "auto"):
+            raise ValueError(f"`sync_free` must be True, False or 'auto', got {sync_free!r}. Fix: use 'auto' "
+                             "(no host reads on an accelerator, the default path on the CPU).")
+        self.sync_free = sync_free
+        self._sync_free = False  # resolved for the module's device in on_train_start
+        self._range_checked = False  # sync-free: input_range's values checked on the host once a fit
         check_max_step(max_step)
         self.max_step = max_step
         if not isinstance(allow_tf32, bool):
@@ -277,10 +296,10 @@ class LPA3Callback(Callback):
         self._warned_unmeasured = False
         self._eval_preserved: Tensor | None = None
         self._layer_names: list[str] | None = None  # resolved once, by a probe forward for the default
-        self._last_solver_seconds = 0.0
+        self._last_solver_seconds: float | None = 0.0
         self._warned_no_range = False
-        self._epoch_metrics: dict[str, MeanMetric] = {}
-        self._nonfinite_inputs_metric = SumMetric()
+        self._epoch_metrics: dict[str, NanIgnoringMean] = {}
+        self._nonfinite_inputs_metric = SumMetric(nan_strategy="disable")  # host counts: never NaN
         # several networks (module.lpa3_networks()): one callback of these settings per network
         self._log_prefix = "lpa3/"
         self._tcs_seed_offset = 0
@@ -355,7 +374,7 @@ class LPA3Callback(Callback):
                              "`convert_dual_bn(model)` in the module, or use attack_bn='eval'.")
         self._resolved_range = self._resolve_range(trainer)
         # aggregated per epoch across processes; every rank logs every key at every step
-        self._epoch_metrics = {name: MeanMetric(nan_strategy="ignore") for name in _EPOCH_MEANS
+        self._epoch_metrics = {name: NanIgnoringMean() for name in _EPOCH_MEANS
                                if name != "reused_fraction" or self.regenerate_every_n_epochs > 1}
         if not self.log_eval_preservation:
             self._epoch_metrics.pop("label_preserved_eval")
@@ -478,9 +497,13 @@ class LPA3Callback(Callback):
                 "The processes disagree on the training-set size or the number of classes. Fix: give every rank "
                 "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank shards."
             )
+        self._sync_free = pl_module.device.type != "cpu" if self.sync_free == "auto" else bool(self.sync_free)
+        self._range_checked = False
+        # sync-free: the memory lives beside the model, so selecting and updating read nothing back
+        memory_device = pl_module.device if self._sync_free else torch.device("cpu")
         fresh = TimeConsistency(num_samples, num_classes, self.ratio, divergence=self.tcs_divergence,
                                 initial_memory=self.tcs_initial_memory, initial_selection=self.initial_selection,
-                                seed=self._tcs_seed(), threshold_rule=self.threshold_rule)
+                                seed=self._tcs_seed(), threshold_rule=self.threshold_rule, device=memory_device)
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
             fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
         self.tcs = fresh
@@ -488,6 +511,9 @@ class LPA3Callback(Callback):
             # A new fit counts epochs from 0 again: the record of the last one must not make it
             # skip the updates of its first epochs. Only a resume continues the record.
             self._last_update_epoch = torch.full((num_samples,), -1, dtype=torch.long)
+        self._last_update_epoch = self._last_update_epoch.to(memory_device)
+        if self._sync_free:
+            self._epoch_metrics.pop("solver_seconds", None)  # not timed: that would synchronise
         for metric in [*self._epoch_metrics.values(), self._nonfinite_inputs_metric]:
             metric.to(pl_module.device)
         if self.regenerate_every_n_epochs > 1:
@@ -511,7 +537,8 @@ class LPA3Callback(Callback):
         memory = self._memory()
         try:
             request = pl_module.lpa3_request(batch)
-            self._check_request(request, memory.num_classes, memory.num_samples)
+            # sync-free: the values are checked with the selection's one host read below
+            self._check_request(request, memory.num_classes, memory.num_samples, values=not self._sync_free)
         except Exception as exc:  # any refusal reaches every rank before the next collective
             error = exc
         self._raise_together(error)
@@ -521,8 +548,9 @@ class LPA3Callback(Callback):
             return
         augmented, tcs_selected, new_rows = None, 0, None
         try:  # the local work: a failure on one rank must reach the others before the cache's gather
-            mask, tcs_selected = self._select(request, trainer.current_epoch)  # type: ignore[arg-type]
-            augmented, new_rows = self._augment(trainer, pl_module, request, mask)  # type: ignore[arg-type]
+            select = self._select_sync_free if self._sync_free else self._select
+            mask, tcs_selected, count = select(request, trainer.current_epoch)  # type: ignore[arg-type]
+            augmented, new_rows = self._augment(trainer, pl_module, request, mask, count)  # type: ignore[arg-type]
         except Exception as exc:
             error = exc
         self._raise_together(error)
@@ -551,20 +579,39 @@ class LPA3Callback(Callback):
             raise RuntimeError("LPA3Callback stopped because another process refused its batch; that process's "
                                "log has the reason and the fix.")
 
-    def _select(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int]:
-        """The samples to augment, and how many TCS selected before the filters below."""
+    def _select(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int, int]:
+        """The samples to augment (mask), how many TCS selected before the filters below, and how many remain."""
         mask = self._memory().select(request.indices, epoch).to(request.inputs.device)
         tcs_selected = int(mask.sum())
         finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else mask
         self._nonfinite = int((~finite).sum())
         mask = mask & finite  # NaN / Inf inputs are never attacked (counted in lpa3/nonfinite_inputs)
-        if int(mask.sum()) == 1:
+        count = int(mask.sum())
+        if count == 1:
             # Batch statistics (twin BN in train mode) need two samples; a lone selection is
             # dropped for this batch rather than crashing BatchNorm1d models.
-            mask = torch.zeros_like(mask)
-        return mask, tcs_selected
+            mask, count = torch.zeros_like(mask), 0
+        return mask, tcs_selected, count
 
-    def _check_request(self, request: LPA3Request, num_classes: int, num_samples: int) -> None:
+    def _select_sync_free(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int, int]:
+        """:meth:`_select` with one host read: the counts and the request's value checks in one copy."""
+        memory = self._memory()
+        device = request.inputs.device
+        tcs_mask = memory.select(request.indices, epoch, check_values=False).to(device)
+        finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else tcs_mask
+        mask = tcs_mask & finite
+        counts = torch.stack([mask.sum(), tcs_mask.sum(), (~finite).sum(),
+                              count_out_of_range(request.indices, memory.num_samples).to(device),
+                              count_out_of_range(request.targets, memory.num_classes).to(device)])
+        count, tcs_selected, nonfinite, bad_indices, bad_labels = counts.tolist()  # the step's one host read
+        if bad_indices or bad_labels:  # the default path's checks, for their named errors
+            self._check_request(request, memory.num_classes, memory.num_samples, values=True)
+        self._nonfinite = nonfinite
+        if count == 1:  # as in _select: a lone selection is dropped
+            mask, count = torch.zeros_like(mask), 0
+        return mask, tcs_selected, count
+
+    def _check_request(self, request: LPA3Request, num_classes: int, num_samples: int, values: bool = True) -> None:
         if not isinstance(request, LPA3Request):
             raise TypeError(f"`lpa3_request` must return an LPA3Request, got {type(request).__name__}.")
         n = request.inputs.shape[0]
@@ -574,12 +621,14 @@ class LPA3Callback(Callback):
                 f"{tuple(request.targets.shape)} and {tuple(request.indices.shape)}. Fix: return one label and one "
                 "dataset index per sample."
             )
-        check_dataset_indices(request.indices, num_samples, name="LPA3Request.indices")
-        check_class_labels(request.targets, num_classes, name="LPA3Request.targets")
+        check_dataset_indices(request.indices, num_samples, name="LPA3Request.indices", values=values)
+        check_class_labels(request.targets, num_classes, name="LPA3Request.targets", values=values)
 
     def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
-                 mask: Tensor) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:
+                 mask: Tensor, count: int) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:
         """This rank's hard positives (no collective), and its newly solved rows for the cache."""
+        if self._sync_free and self.cache is None:
+            return self._augment_uncached(pl_module, request, mask, count), None
         x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
         epoch = trainer.current_epoch
         # a cached x' is reused only for the label it was solved for (pseudo-labels change)
@@ -628,6 +677,40 @@ class LPA3Callback(Callback):
             reference_inputs=x.detach() if bn_mode == "twin" and x.shape[0] else None)
         return augmented, new_rows
 
+    def _augment_uncached(self, pl_module: pl.LightningModule, request: LPA3Request, mask: Tensor,
+                          count: int) -> AugmentedBatch:
+        """Without a cache, every selected sample is solved: the sync-free path (no host read).
+
+        The ``count`` selected rows are gathered by position (:func:`selected_positions`) instead
+        of by boolean indexing, whose output size the host would have to read.
+        """
+        rows = selected_positions(mask, count)
+        x, y, idx = (t.index_select(0, rows.to(t.device)) for t in (request.inputs, request.targets, request.indices))
+        model = unwrap_compiled(pl_module.lpa3_model())
+        bn_mode = self._bn_mode(model)
+        if self._layer_names is None and count:
+            self._layer_names = resolve_layers(model, self.layers, example_input=x)
+        if not self._range_checked and count:  # the solver skips the range's value checks: made once a fit
+            resolve_input_range(self._resolved_range, x)
+            self._range_checked = True
+        x_out, stats, bn_statistics = x.detach().clone(), None, None
+        self._last_solver_seconds = None
+        self._eval_preserved = None
+        if count:
+            reference, twin_statistics = label_log_prob(
+                model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
+                temperature=self.temperature, allow_tf32=self.allow_tf32)
+            self._pending = (reference, y)
+            bn_statistics = twin_statistics if bn_mode == "twin" else running_statistics(model)
+            # not timed: the solver's seconds would need a synchronisation
+            x_out, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode, twin_statistics)
+            if self.log_eval_preservation:
+                self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x, x_out, y)
+        return AugmentedBatch(
+            inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=0, bn_mode=bn_mode,
+            bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
+            reference_inputs=x.detach() if bn_mode == "twin" and count else None)
+
     def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
                                 y: Tensor) -> Tensor:
         """Whether each x' keeps the constraint in the deployed model (eval mode, main BN)."""
@@ -653,6 +736,9 @@ class LPA3Callback(Callback):
                 twin_statistics: Any) -> tuple[Tensor, Any]:
         start = time.perf_counter()
         x_adv, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode, twin_statistics)
+        if self._sync_free:
+            self._last_solver_seconds = None  # timing would need a synchronisation
+            return x_adv, stats
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
         self._last_solver_seconds = time.perf_counter() - start
@@ -667,7 +753,7 @@ class LPA3Callback(Callback):
             input_range=self._resolved_range, temperature=self.temperature, generator=generator,
             project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
             max_step=self.max_step, allow_tf32=self.allow_tf32, twin_statistics=twin_statistics,
-            return_stats=True,
+            return_stats=True, sync_free=self._sync_free,
         )
 
     def _generator_for(self, x: Tensor) -> torch.Generator | None:
@@ -714,7 +800,9 @@ class LPA3Callback(Callback):
         self._log_mean(pl_module, "perceptual_distance", None if stats is None else stats.perceptual_distance.mean(),
                        solved)
         self._log_mean(pl_module, "projected", None if stats is None else stats.projected.float().mean(), solved)
-        self._log_mean(pl_module, "solver_seconds", self._last_solver_seconds if solved else None, 1 if solved else 0)
+        seconds = self._last_solver_seconds  # None on the sync-free path (not timed)
+        self._log_mean(pl_module, "solver_seconds", seconds if solved and seconds is not None else None,
+                       1 if solved and seconds is not None else 0)
         eval_kept = self._eval_preserved
         self._log_mean(pl_module, "label_preserved_eval", None if eval_kept is None else eval_kept.float().mean(),
                        0 if eval_kept is None else len(eval_kept))
@@ -778,6 +866,11 @@ class LPA3Callback(Callback):
         epoch = trainer.current_epoch
         finite = torch.isfinite(probs).all(dim=1).to(memory.device)
         keep = finite & (self._last_update_epoch[indices] != epoch)
+        if self._sync_free:  # the same update, selected with torch.where: no host read
+            self._nonfinite_predictions = self._nonfinite_predictions + (~finite).sum()
+            self._last_update_epoch[indices] = torch.where(keep, epoch, self._last_update_epoch[indices])
+            memory.update(indices, probs, targets, keep=keep, check_values=False)
+            return
         self._nonfinite_predictions += int((~finite).sum())
         self._last_update_epoch[indices[keep]] = epoch
         keep_dev = keep.to(probs.device)
@@ -847,7 +940,7 @@ class LPA3Callback(Callback):
         cache_state = self.cache.state_dict(include_inputs=self.checkpoint_cache) if self.cache is not None else None
         return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state,
                 "augmentation_cache": cache_state, "global_rng": _global_rng_state(),
-                "last_update_epoch": self._last_update_epoch.clone()}
+                "last_update_epoch": self._last_update_epoch.cpu().clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         networks = state_dict.get("networks")

@@ -9,15 +9,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_class_labels", "check_dataset_indices"]
+__all__ = ["check_class_labels", "check_dataset_indices", "count_out_of_range"]
 
 
 def _is_integer_tensor(t: object) -> bool:
     return isinstance(t, Tensor) and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
-def check_dataset_indices(indices: Tensor, num_samples: int, name: str = "indices") -> None:
+def check_dataset_indices(indices: Tensor, num_samples: int, name: str = "indices", values: bool = True) -> None:
     """Refuse anything but a 1-D integer tensor of positions in a data set of ``num_samples``.
+
+    ``values=False`` checks the type and shape only (no host read of the values; pair it with
+    :func:`count_out_of_range`).
 
     Raises:
         ValueError: naming ``name``, what was received and the fix.
@@ -36,7 +39,7 @@ def check_dataset_indices(indices: Tensor, num_samples: int, name: str = "indice
             f"`{name}` must be a 1-D integer tensor of dataset indices, got {got}. Fix: make the dataset return "
             "its index with each item (e.g. wrap it in `lpa3_lightning.data.IndexedDataset`)."
         )
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_samples):
+    if values and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_samples):
         raise ValueError(
             f"`{name}` out of range: got values in [{int(indices.min())}, {int(indices.max())}] for a training set "
             f"of {num_samples} samples. Fix: pass indices of the training set itself (not of a subset or a "
@@ -44,8 +47,10 @@ def check_dataset_indices(indices: Tensor, num_samples: int, name: str = "indice
         )
 
 
-def check_class_labels(labels: Tensor, num_classes: int, name: str = "labels") -> None:
+def check_class_labels(labels: Tensor, num_classes: int, name: str = "labels", values: bool = True) -> None:
     """Refuse anything but a 1-D integer tensor of class indices in ``[0, num_classes)``.
+
+    ``values=False`` checks the type and shape only, as in :func:`check_dataset_indices`.
 
     Raises:
         ValueError: naming ``name``, what was received and the fix ("Labels out of range" for
@@ -59,9 +64,20 @@ def check_class_labels(labels: Tensor, num_classes: int, name: str = "labels") -
         got = f"{labels.dtype} of shape {tuple(labels.shape)}" if isinstance(labels, Tensor) else type(labels).__name__
         raise ValueError(f"`{name}` must be a 1-D integer tensor of class indices, got {got}. Fix: pass labels as a "
                          "long tensor (not one-hot or float).")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+    if values and labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ValueError(
             f"Labels out of range: `{name}` holds values in [{int(labels.min())}, {int(labels.max())}] for "
             f"{num_classes} classes (lpa3_num_classes). Fix: use class indices 0..{num_classes - 1}, or set "
             "lpa3_num_classes to the number of classes."
         )
+
+
+def count_out_of_range(values: Tensor, high: int) -> Tensor:
+    """How many of ``values`` lie outside ``[0, high)``, as a 0-dim tensor on their device (no host read).
+
+    Example:
+        >>> import torch
+        >>> int(count_out_of_range(torch.tensor([-1, 0, 3, 4]), high=4))
+        2
+    """
+    return ((values < 0) | (values >= high)).sum()

@@ -33,7 +33,6 @@ from lpa3_lightning.selection import (
     check_ratio,
     check_threshold_rule,
     random_selection,
-    select_below_threshold,
     selection_threshold,
 )
 
@@ -163,25 +162,42 @@ class TimeConsistency:
         self.threshold = torch.tensor(float("nan"), device=device)  # nan: no pass finished yet
 
     @property
+    def threshold(self) -> Tensor:
+        """The current selection threshold (0-dim; NaN until the first pass finished)."""
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: Tensor) -> None:
+        self._threshold = value
+        # read once here, when the threshold changes (once a pass), so that selecting a batch
+        # needs no host read of it
+        self._has_threshold = not bool(torch.isnan(value))
+
+    @property
     def device(self) -> torch.device:
         return self.memory.device
 
-    def _check_indices(self, indices: Tensor) -> Tensor:
-        check_dataset_indices(indices, self.num_samples)
+    def _check_indices(self, indices: Tensor, values: bool = True) -> Tensor:
+        check_dataset_indices(indices, self.num_samples, values=values)
         return indices.to(self.device, torch.long)
 
-    def update(self, indices: Tensor, probs: Tensor, targets: Tensor | None = None) -> Tensor:
+    def update(self, indices: Tensor, probs: Tensor, targets: Tensor | None = None, keep: Tensor | None = None,
+               check_values: bool = True) -> Tensor:
         """Score the new predictions of the samples ``indices`` and store them.
 
         Args:
             indices: ``(B,)`` dataset indices.
             probs: ``(B, C)`` current predicted probabilities (softmax output).
             targets: optional ``(B,)`` labels, used by ``divergence="paper"`` only.
+            keep: optional ``(B,)`` boolean mask: only these rows are applied (the others are
+                written back unchanged), selected on the device without a host read.
+            check_values: read the indices on the host to refuse out-of-range ones (False:
+                the caller checked them; an out-of-range index then fails in the indexing).
 
         Returns:
             ``(B,)`` divergences ``a_t`` of this update.
         """
-        indices = self._check_indices(indices)
+        indices = self._check_indices(indices, values=check_values)
         if probs.shape != (indices.numel(), self.num_classes):
             raise ValueError(
                 f"`probs` must have shape ({indices.numel()}, {self.num_classes}), got {tuple(probs.shape)}. Fix: one "
@@ -190,9 +206,14 @@ class TimeConsistency:
         probs = probs.detach().to(self.device, torch.float32)
         div = tcs_divergence(self.memory[indices], probs, None if targets is None else targets.to(self.device),
                              self.divergence)
-        self.scores[indices] = tcs_update(self.scores[indices], div, self.gamma)
+        scores = tcs_update(self.scores[indices], div, self.gamma)
+        if keep is not None:
+            keep = keep.to(self.device)
+            scores = torch.where(keep, scores, self.scores[indices])
+            probs = torch.where(keep[:, None], probs, self.memory[indices])
+        self.scores[indices] = scores
         self.memory[indices] = probs
-        self.seen[indices] = True
+        self.seen[indices] = self.seen[indices] | keep if keep is not None else True
         return div
 
     def refresh_threshold(self) -> None:
@@ -203,21 +224,25 @@ class TimeConsistency:
 
     @property
     def has_threshold(self) -> bool:
-        return not bool(torch.isnan(self.threshold))
+        return self._has_threshold
 
-    def select(self, indices: Tensor, epoch: int = 0) -> Tensor:
+    def select(self, indices: Tensor, epoch: int = 0, check_values: bool = True) -> Tensor:
         """Boolean mask over ``indices``: True for the samples that get LP-A3.
 
         Before the first threshold, a random ``ratio`` share drawn per ``epoch``
-        (``initial_selection="random"``) or every sample (``"all"``).
+        (``initial_selection="random"``) or every sample (``"all"``). No host read of a value
+        with ``check_values=False`` (see :meth:`update`).
         """
-        indices = self._check_indices(indices)
-        if self.has_threshold or self.initial_selection == "all":
-            return select_below_threshold(self.scores[indices], self.threshold)
+        indices = self._check_indices(indices, values=check_values)
+        if self.has_threshold:
+            return self.scores[indices] < self.threshold
+        if self.initial_selection == "all":
+            return torch.ones_like(indices, dtype=torch.bool)
         if self._random_share is None or self._random_share[0] != epoch:
             everyone = torch.arange(self.num_samples)
-            self._random_share = (epoch, random_selection(everyone, self.num_samples, self.ratio, self.seed, epoch))
-        return self._random_share[1].to(self.device)[indices]
+            share = random_selection(everyone, self.num_samples, self.ratio, self.seed, epoch)
+            self._random_share = (epoch, share.to(self.device))  # drawn once an epoch, kept on the device
+        return self._random_share[1][indices]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (tensors on CPU)."""

@@ -376,23 +376,25 @@ def _with_bad_rows(n: int = 48, nan_rows=(3,), inf_rows=(10,)) -> DataLoader:
     return DataLoader(IndexedDataset(TensorDataset(xs, ys)), batch_size=16, shuffle=False)
 
 
-def test_nonfinite_inputs_are_skipped_and_counted(tmp_path):
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_nonfinite_inputs_are_skipped_and_counted(tmp_path, sync_free):
     pl.seed_everything(0)
     module = NanTolerant()
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, sync_free=sync_free)
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(module, _with_bad_rows())
     assert float(trainer.callback_metrics["lpa3/nonfinite_inputs"]) == 2.0
     assert sum(module.seen_augmented) == 48 - 2  # ratio 1 before any threshold: all finite rows
 
 
-def test_labels_out_of_range_are_refused(tmp_path):
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_labels_out_of_range_are_refused(tmp_path, sync_free):
     data = indexed_images(8)
     xs = torch.stack([data[i][0] for i in range(8)])
     from lpa3_lightning.data import IndexedDataset
 
     loader = DataLoader(IndexedDataset(TensorDataset(xs, torch.full((8,), 5))), batch_size=4)
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1)
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, sync_free=sync_free)], max_epochs=1)
     with pytest.raises(ValueError, match="Labels out of range"):
         trainer.fit(TinyClassifier(), loader)
 
@@ -646,7 +648,7 @@ def test_one_new_sample_among_cached_ones_waits(tmp_path):
     from lpa3_lightning.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(16, 1, 28, 28), torch.zeros(16, dtype=torch.long), torch.arange(16))
-    augmented, _ = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
+    augmented, _ = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool), 16)
     assert len(augmented) == 15 and augmented.reused == 15 and not bool(augmented.mask[0])
 
 
@@ -661,7 +663,7 @@ def test_a_cached_x_prime_is_reused_only_for_the_label_it_was_solved_for(tmp_pat
 
     targets = torch.tensor([0, 1] * 8)  # pseudo-labels moved on for half of them
     request = LPA3Request(torch.randn(16, 1, 28, 28), targets, torch.arange(16))
-    augmented, new_rows = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool))
+    augmented, new_rows = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool), 16)
     assert augmented.reused == 8  # only the label-0 entries were reused
     assert new_rows is not None and sorted(new_rows[0].tolist()) == list(range(1, 16, 2))  # the others re-solved
     assert torch.equal(new_rows[2], torch.ones(8, dtype=torch.long))
@@ -780,5 +782,5 @@ def test_a_lone_cached_x_prime_is_not_trained_alone(tmp_path):
     from lpa3_lightning.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(2, 1, 28, 28), torch.zeros(2, dtype=torch.long), torch.arange(2))
-    augmented, _ = callback._augment(trainer, module, request, torch.ones(2, dtype=torch.bool))
+    augmented, _ = callback._augment(trainer, module, request, torch.ones(2, dtype=torch.bool), 2)
     assert len(augmented) == 0 and not bool(augmented.mask.any())

@@ -118,3 +118,40 @@ def test_cache_and_checkpoint_resume_on_gpu(tmp_path):
     assert trainer2.current_epoch == 3
     assert int(resumed.tcs.seen.sum()) >= saved_seen  # restored, then extended by epoch 2
     assert float(trainer2.callback_metrics["lpa3/label_preserved_epoch"]) >= 0.99
+
+
+# ---------------------------------------------------------------- the sync-free path on the device
+def test_sync_free_attack_makes_no_synchronisation_and_matches_the_default_path():
+    torch.manual_seed(0)
+    model = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2).model.cuda().train()
+    x = torch.rand(48, 1, 28, 28, device="cuda") * 2 - 1
+    y = torch.randint(0, 2, (48,), device="cuda")
+    before = snapshot(model)
+    kwargs = dict(input_range=(-1.0, 1.0), max_step=None, return_stats=True)
+    x_ref, ref = lpa3_attack(model, x, y, generator=torch.Generator("cuda").manual_seed(0), **kwargs)
+    lpa3_attack(model, x, y, sync_free=True, **kwargs)  # warm-up: lazy CUDA initialisation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call inside raises
+    try:
+        x_adv, stats = lpa3_attack(model, x, y, generator=torch.Generator("cuda").manual_seed(0), sync_free=True,
+                                   **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(before[k], snapshot(model)[k]) for k in before)
+    assert model.training
+    # same x' to float tolerance (the batched forwards round differently); the constraint on every sample
+    close = (x_adv - x_ref).flatten(1).abs().amax(1) <= 1e-4
+    assert float(close.float().mean()) >= 0.9, float(close.float().mean())
+    assert bool((independent_logp_drop(model, x, x_adv, y) <= 0.02 + 1e-4).all())
+    assert bool(stats.preserved.all()) and int(ref.projected.sum()) > 0
+
+
+def test_sync_free_fit_on_gpu_keeps_the_memory_on_the_device(tmp_path):
+    pl.seed_everything(0)
+    module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2)
+    callback = LPA3Callback(ratio=0.3, steps=2, seed=0)  # sync_free="auto": on here
+    trainer = _trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(module, datamodule=_breast())
+    assert callback._sync_free and callback.tcs.memory.is_cuda
+    assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) >= 0.99
+    assert "lpa3/solver_seconds_epoch" not in trainer.callback_metrics

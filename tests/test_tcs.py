@@ -356,3 +356,33 @@ def test_bool_indices_rejected() -> None:
     tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
     with pytest.raises(ValueError, match="1-D integer tensor"):
         tcs.update(torch.tensor([True, False, True, True]), torch.full((4, 2), 0.5))
+
+
+def test_update_with_keep_equals_updating_the_kept_rows_only() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = TimeConsistency(10, 3, 0.5), TimeConsistency(10, 3, 0.5)
+    for _ in range(3):
+        indices = torch.randperm(10, generator=g)[:6]
+        probs = torch.softmax(torch.randn(6, 3, generator=g), 1)
+        keep = torch.rand(6, generator=g) > 0.4
+        a.update(indices[keep], probs[keep])
+        b.update(indices, probs, keep=keep, check_values=False)
+    assert torch.equal(a.memory, b.memory) and torch.equal(a.scores, b.scores) and torch.equal(a.seen, b.seen)
+
+
+def test_select_and_has_threshold_read_no_tensor_value_on_the_host() -> None:
+    from lpa3_lightning.host_reads import HostReadCounter
+
+    tcs = TimeConsistency(12, 3, 0.5)
+    tcs.update(torch.arange(12), torch.softmax(torch.randn(12, 3), 1))
+    tcs.update(torch.arange(12), torch.softmax(torch.randn(12, 3), 1))
+    before = tcs.select(torch.arange(12), epoch=0, check_values=False)
+    assert int(before.sum()) == 6  # the random share
+    tcs.refresh_threshold()
+    with HostReadCounter() as reads:
+        has = tcs.has_threshold
+        chosen = tcs.select(torch.arange(12), epoch=1, check_values=False)
+    assert reads.total == 0 and has
+    assert torch.equal(chosen, tcs.scores < tcs.threshold)
+    tcs.threshold = torch.tensor(float("nan"))  # assigning the threshold updates the host flag
+    assert not tcs.has_threshold

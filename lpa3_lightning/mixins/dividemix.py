@@ -322,7 +322,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         loss_a, num_aug = zero, 0
         augmented = self.lpa3_take_augmented(network=network)
         if augmented is not None and len(augmented):
-            loss_a = augmented_mixmatch_loss(self, augmented, guess[augmented.mask.to(guess.device)],
+            guess_adv = guess.index_select(0, augmented.positions().to(guess.device))
+            loss_a = augmented_mixmatch_loss(self, augmented, guess_adv,
                                              torch.cat([x1[labeled], x2[labeled]]), torch.cat([refined, refined]),
                                              lam, mix=self.dividemix_lpa3_mixup)
             num_aug = len(augmented)

@@ -156,7 +156,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         if epoch >= self.lpa3_loss_warmup_epochs:
             augmented = self.lpa3_take_augmented()
             if augmented is not None and len(augmented):
-                kept = (confidence[augmented.mask] >= self.lpa3_confidence_threshold).float()
+                kept = (confidence.index_select(0, augmented.positions()) >= self.lpa3_confidence_threshold).float()
                 per_sample = F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets,
                                              reduction="none")
                 loss_a = (per_sample * kept).mean()  # mean over the x', as the authors' term

@@ -304,7 +304,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         loss_a, num_aug = zero, 0
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
-            target_adv = guess[augmented.mask.to(guess.device)]
+            target_adv = guess.index_select(0, augmented.positions().to(guess.device))
             loss_a = augmented_mixmatch_loss(self, augmented, target_adv, torch.cat([x1[labeled], x2[labeled]]),
                                              torch.cat([one_hot, one_hot]), lam, mix=self.pes_lpa3_mixup)
             num_aug = len(augmented)

@@ -227,3 +227,25 @@ def test_bf16_mixed_fit_keeps_the_pseudo_label_as_trained(tmp_path):
     # tests/test_label_preserved_as_trained.py)
     assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) >= 0.99
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_sync_free_fixmatch_step_makes_at_most_one_host_read_more_than_plain_fixmatch(tmp_path):
+    from tests.test_callback_sync_free import CountOneStep
+
+    class Quiet(UserFixMatch):  # keeps its loss parts as tensors: no host reads of its own
+        def training_step(self, batch, batch_idx):
+            loss, parts = self.fixmatch_loss(batch)
+            self.parts.append(parts)
+            return loss
+
+    totals = {}
+    for name in ("plain", "sync_free"):
+        pl.seed_everything(0)
+        count = CountOneStep(epoch=1, batch_idx=1)
+        middle = [LPA3Callback(ratio=0.5, steps=2, seed=0, input_range=None, sync_free=True)] if name != "plain" \
+            else []
+        module = Quiet(num_unlabeled=64)
+        _trainer(tmp_path, [count.opener, *middle, count], max_epochs=2).fit(module, _loaders())
+        totals[name] = count.counter
+    assert float(module.parts[5]["num_augmented"]) > 1  # the counted step (epoch 1, batch 1) trained on x'
+    assert totals["sync_free"].total - totals["plain"].total <= 1, dict(totals["sync_free"].sites)
