@@ -323,7 +323,7 @@ def auto_max_step_tensor(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> Ten
         else flat.new_zeros(())
     # the same fallbacks as auto_max_step, chosen on the device
     norm = flat.norm(dim=1).mean()
-    diagonal = torch.where(spread > 0, spread, torch.where(norm > 0, norm, norm.new_tensor(math.sqrt(flat.shape[1]))))
+    diagonal = torch.where(spread > 0, spread, torch.where(norm > 0, norm, torch.full_like(norm, math.sqrt(flat.shape[1]))))
     return AUTO_MAX_STEP_FRACTION * diagonal
 
 
@@ -408,7 +408,9 @@ def lpa3_attack(
             step): a non-finite sample comes back unchanged and ``preserved=False``. Same
             ``x'`` as the default path up to float rounding of the batched forwards; more
             compute (``bisection_steps`` forwards of the whole batch), so the default (False)
-            suits the CPU.
+            suits the CPU. On a GPU give ``input_range`` as device tensors
+            (:func:`resolve_input_range`): built from Python numbers at each call it is a
+            host-to-device copy, which synchronises too.
 
     Returns:
         ``x'`` detached, with the shape, dtype and device of ``x``; and the stats if asked.

@@ -17,7 +17,8 @@ from torch.utils.data import default_collate
 from torchmetrics import SumMetric
 
 from lpa3_lightning.attack import (
-    InputRange, MaxStep, check_max_step, check_solver_arguments, label_log_prob, lpa3_attack, resolve_input_range,
+    InputRange, MaxStep, check_max_step, check_solver_arguments, label_log_prob, lpa3_attack, parameter_dtype,
+    resolve_input_range,
 )
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request, selected_positions
 from lpa3_lightning.augmented_forward import running_statistics
@@ -237,7 +238,8 @@ class LPA3Callback(Callback):
                              "(no host reads on an accelerator, the default path on the CPU).")
         self.sync_free = sync_free
         self._sync_free = False  # resolved for the module's device in on_train_start
-        self._range_checked = False  # sync-free: input_range's values checked on the host once a fit
+        self._solver_range: tuple[tuple[Any, ...], InputRange] | None = None  # (key, range as device tensors)
+        self._bad_recorded_indices = torch.zeros((), dtype=torch.long)  # sync-free: refused at the next read
         check_max_step(max_step)
         self.max_step = max_step
         if not isinstance(allow_tf32, bool):
@@ -498,9 +500,10 @@ class LPA3Callback(Callback):
                 "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank shards."
             )
         self._sync_free = pl_module.device.type != "cpu" if self.sync_free == "auto" else bool(self.sync_free)
-        self._range_checked = False
+        self._solver_range = None
         # sync-free: the memory lives beside the model, so selecting and updating read nothing back
         memory_device = pl_module.device if self._sync_free else torch.device("cpu")
+        self._bad_recorded_indices = torch.zeros((), dtype=torch.long, device=memory_device)
         fresh = TimeConsistency(num_samples, num_classes, self.ratio, divergence=self.tcs_divergence,
                                 initial_memory=self.tcs_initial_memory, initial_selection=self.initial_selection,
                                 seed=self._tcs_seed(), threshold_rule=self.threshold_rule, device=memory_device)
@@ -545,6 +548,12 @@ class LPA3Callback(Callback):
         pl_module.lpa3_set_augmented(None)
         self._pending = None
         if trainer.current_epoch < self.warmup_epochs:
+            if self._sync_free:  # nothing is selected, but the values are checked: the warm-up step's one read
+                try:
+                    self._raise_bad_values(request, memory, torch.stack(self._bad_value_counts(request)).tolist())
+                except Exception as exc:
+                    error = exc
+                self._raise_together(error)
             return
         augmented, tcs_selected, new_rows = None, 0, None
         try:  # the local work: a failure on one rank must reach the others before the cache's gather
@@ -597,19 +606,39 @@ class LPA3Callback(Callback):
         """:meth:`_select` with one host read: the counts and the request's value checks in one copy."""
         memory = self._memory()
         device = request.inputs.device
-        tcs_mask = memory.select(request.indices, epoch, check_values=False).to(device)
+        # clamped: an out-of-range index must reach the named error below, not fail in the lookup
+        safe = request.indices.clamp(0, memory.num_samples - 1)
+        tcs_mask = memory.select(safe, epoch, check_values=False).to(device)
         finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else tcs_mask
         mask = tcs_mask & finite
         counts = torch.stack([mask.sum(), tcs_mask.sum(), (~finite).sum(),
-                              count_out_of_range(request.indices, memory.num_samples).to(device),
-                              count_out_of_range(request.targets, memory.num_classes).to(device)])
-        count, tcs_selected, nonfinite, bad_indices, bad_labels = counts.tolist()  # the step's one host read
-        if bad_indices or bad_labels:  # the default path's checks, for their named errors
-            self._check_request(request, memory.num_classes, memory.num_samples, values=True)
+                              *(c.to(device) for c in self._bad_value_counts(request))])
+        count, tcs_selected, nonfinite, *bad = counts.tolist()  # the step's one host read
+        self._raise_bad_values(request, memory, bad)
         self._nonfinite = nonfinite
         if count == 1:  # as in _select: a lone selection is dropped
             mask, count = torch.zeros_like(mask), 0
         return mask, tcs_selected, count
+
+    def _bad_value_counts(self, request: LPA3Request) -> list[Tensor]:
+        """Device counts of the request's out-of-range indices and labels, and of the out-of-range
+        indices recorded with the predictions of earlier steps (sync-free path; read with its one copy)."""
+        memory = self._memory()
+        return [count_out_of_range(request.indices, memory.num_samples),
+                count_out_of_range(request.targets, memory.num_classes).to(request.indices.device),
+                self._bad_recorded_indices.to(request.indices.device)]
+
+    def _raise_bad_values(self, request: LPA3Request, memory: TimeConsistency, bad: Sequence[int]) -> None:
+        """The named errors of the default path, for the counts of :meth:`_bad_value_counts` read on the host."""
+        bad_indices, bad_labels, bad_recorded = bad
+        if bad_indices or bad_labels:
+            self._check_request(request, memory.num_classes, memory.num_samples, values=True)
+        if bad_recorded:
+            raise ValueError(
+                f"{int(bad_recorded)} dataset indices recorded with `lpa3_record_predictions` were outside the "
+                f"training set [0, {memory.num_samples}). Fix: record the batch's indices of the training set itself "
+                "(the ones the dataset returns), not positions in the batch or in a subset."
+            )
 
     def _check_request(self, request: LPA3Request, num_classes: int, num_samples: int, values: bool = True) -> None:
         if not isinstance(request, LPA3Request):
@@ -690,9 +719,6 @@ class LPA3Callback(Callback):
         bn_mode = self._bn_mode(model)
         if self._layer_names is None and count:
             self._layer_names = resolve_layers(model, self.layers, example_input=x)
-        if not self._range_checked and count:  # the solver skips the range's value checks: made once a fit
-            resolve_input_range(self._resolved_range, x)
-            self._range_checked = True
         x_out, stats, bn_statistics = x.detach().clone(), None, None
         self._last_solver_seconds = None
         self._eval_preserved = None
@@ -750,11 +776,23 @@ class LPA3Callback(Callback):
         return lpa3_attack(
             model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam,
             layers=self._layer_names if self._layer_names is not None else self.layers,
-            input_range=self._resolved_range, temperature=self.temperature, generator=generator,
+            input_range=self._range_for(x, parameter_dtype(model, x.dtype)), temperature=self.temperature,
+            generator=generator,
             project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
             max_step=self.max_step, allow_tf32=self.allow_tf32, twin_statistics=twin_statistics,
             return_stats=True, sync_free=self._sync_free,
         )
+
+    def _range_for(self, x: Tensor, dtype: torch.dtype) -> InputRange:
+        """The input range as ``(low, high)`` tensors on ``x``'s device in the solver's ``dtype``,
+        resolved (its values checked on the host) once per device, dtype and input shape instead
+        of at every solve: building them from Python numbers is a host-to-device copy."""
+        if self._resolved_range is None:
+            return None
+        key = (x.device, dtype, tuple(x.shape[1:]))
+        if self._solver_range is None or self._solver_range[0] != key:
+            self._solver_range = (key, resolve_input_range(self._resolved_range, x[:1].to(dtype)))
+        return self._solver_range[1]
 
     def _generator_for(self, x: Tensor) -> torch.Generator | None:
         if self.seed is None:
@@ -779,7 +817,9 @@ class LPA3Callback(Callback):
             return
         key = f"{self._log_prefix}{name}"
         if value is not None and weight > 0:
-            value = torch.as_tensor(value, dtype=torch.float32, device=pl_module.device)
+            # a Python number becomes a device tensor by a fill, not a host-to-device copy (a sync)
+            value = value.float() if isinstance(value, Tensor) else \
+                torch.full((), float(value), device=pl_module.device)
             metric.update(value, weight)
             pl_module.log(f"{key}_step", value, on_step=True, on_epoch=False, batch_size=weight)
         pl_module.log(f"{key}_epoch", metric, on_step=False, on_epoch=True, metric_attribute=f"{self._metric_prefix}{name}")
@@ -789,7 +829,7 @@ class LPA3Callback(Callback):
         n = request.inputs.shape[0]
         self._log_mean(pl_module, "selected_fraction", len(augmented) / max(n, 1), n)
         self._log_mean(pl_module, "tcs_selected_fraction", tcs_selected / max(n, 1), n)
-        self._nonfinite_inputs_metric.update(torch.tensor(float(self._nonfinite), device=pl_module.device))
+        self._nonfinite_inputs_metric.update(torch.full((), float(self._nonfinite), device=pl_module.device))
         pl_module.log(f"{self._log_prefix}nonfinite_inputs", self._nonfinite_inputs_metric, on_step=False,
                       on_epoch=True, metric_attribute=f"{self._metric_prefix}nonfinite_inputs")
         self._log_mean(pl_module, "reused_fraction", augmented.reused / max(len(augmented), 1), len(augmented))
@@ -865,9 +905,17 @@ class LPA3Callback(Callback):
         # padding repeats samples in a later step of the epoch: apply each sample once an epoch.
         epoch = trainer.current_epoch
         finite = torch.isfinite(probs).all(dim=1).to(memory.device)
-        keep = finite & (self._last_update_epoch[indices] != epoch)
+        if self._sync_free:
+            keep = finite & (self._last_update_epoch[indices.clamp(0, memory.num_samples - 1)] != epoch)
+        else:
+            keep = finite & (self._last_update_epoch[indices] != epoch)
         if self._sync_free:  # the same update, selected with torch.where: no host read
             self._nonfinite_predictions = self._nonfinite_predictions + (~finite).sum()
+            # out-of-range indices are counted (refused with the next host read) and never applied
+            in_range = (indices >= 0) & (indices < memory.num_samples)
+            self._bad_recorded_indices = self._bad_recorded_indices + (~in_range).sum()
+            keep = keep & in_range
+            indices = indices.clamp(0, memory.num_samples - 1)
             self._last_update_epoch[indices] = torch.where(keep, epoch, self._last_update_epoch[indices])
             memory.update(indices, probs, targets, keep=keep, check_values=False)
             return
@@ -888,6 +936,8 @@ class LPA3Callback(Callback):
             return
         if self.tcs is None:
             return
+        if self._sync_free and int(self._bad_recorded_indices):  # the last steps' recorded indices (once an epoch)
+            self._raise_bad_values(None, self.tcs, (0, 0, int(self._bad_recorded_indices)))  # type: ignore[arg-type]
         self.tcs.refresh_threshold()
         if self.log_images_every_n_epochs and trainer.current_epoch % self.log_images_every_n_epochs == 0 \
                 and trainer.is_global_zero:

@@ -31,9 +31,15 @@ class NanIgnoringMean(MeanMetric):
         super().__init__(nan_strategy="disable", **kwargs)
 
     def update(self, value: float | Tensor, weight: float | Tensor | None = None) -> None:
-        value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
-        weight = torch.ones_like(value) if weight is None else torch.as_tensor(weight, dtype=self.dtype,
-                                                                               device=self.device)
+        # Python numbers become device tensors by a fill, not a host-to-device copy (a GPU sync)
+        value = value.to(self.device, self.dtype) if isinstance(value, Tensor) else \
+            torch.full((), float(value), dtype=self.dtype, device=self.device)
+        if weight is None:
+            weight = torch.ones_like(value)
+        elif isinstance(weight, Tensor):
+            weight = weight.to(self.device, self.dtype)
+        else:
+            weight = torch.full_like(value, float(weight))
         weight = torch.broadcast_to(weight, value.shape)
         bad = torch.isnan(value) | torch.isnan(weight)
         value = torch.where(bad, torch.zeros_like(value), value)

@@ -301,9 +301,12 @@ def test_module_without_num_classes_is_told_how(tmp_path):
         trainer.fit(module, _loader())
 
 
-def test_indices_out_of_range_are_refused(tmp_path):
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, num_samples=10)], max_epochs=1)
-    with pytest.raises(ValueError, match="out of range"):
+@pytest.mark.parametrize("warmup_epochs", [0, 1])
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_indices_out_of_range_are_refused(tmp_path, sync_free, warmup_epochs):
+    callback = LPA3Callback(steps=1, num_samples=10, sync_free=sync_free, warmup_epochs=warmup_epochs)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    with pytest.raises(ValueError, match="LPA3Request.indices` out of range"):
         trainer.fit(TinyClassifier(), _loader())
 
 
@@ -387,14 +390,16 @@ def test_nonfinite_inputs_are_skipped_and_counted(tmp_path, sync_free):
     assert sum(module.seen_augmented) == 48 - 2  # ratio 1 before any threshold: all finite rows
 
 
+@pytest.mark.parametrize("warmup_epochs", [0, 1])
 @pytest.mark.parametrize("sync_free", [False, True])
-def test_labels_out_of_range_are_refused(tmp_path, sync_free):
+def test_labels_out_of_range_are_refused(tmp_path, sync_free, warmup_epochs):
     data = indexed_images(8)
     xs = torch.stack([data[i][0] for i in range(8)])
     from lpa3_lightning.data import IndexedDataset
 
     loader = DataLoader(IndexedDataset(TensorDataset(xs, torch.full((8,), 5))), batch_size=4)
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, sync_free=sync_free)], max_epochs=1)
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, sync_free=sync_free, warmup_epochs=warmup_epochs)],
+                       max_epochs=1)
     with pytest.raises(ValueError, match="Labels out of range"):
         trainer.fit(TinyClassifier(), loader)
 

@@ -83,6 +83,7 @@ def test_sync_free_training_equals_the_default_path():
     torch.testing.assert_close(c1.tcs.memory, c0.tcs.memory)
     assert torch.equal(c1.tcs.seen, c0.tcs.seen)
     torch.testing.assert_close(c1.tcs.threshold, c0.tcs.threshold)
+    assert float(t0.callback_metrics["lpa3/projected_epoch"]) > 0  # the bisections had work to do
     for key in ("lpa3/label_preserved_epoch", "lpa3/projected_epoch", "lpa3/perceptual_distance_epoch"):
         torch.testing.assert_close(t1.callback_metrics[key], t0.callback_metrics[key], msg=key)
     assert "lpa3/solver_seconds_epoch" in t0.callback_metrics
@@ -92,8 +93,28 @@ def test_sync_free_training_equals_the_default_path():
 
 def test_auto_keeps_the_default_path_on_the_cpu():
     callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
-    _fit([callback], max_epochs=1)
-    assert callback.sync_free == "auto" and callback._sync_free is False
+    _, trainer = _fit([callback], max_epochs=1)
+    assert callback.sync_free == "auto"
+    assert "lpa3/solver_seconds_epoch" in trainer.callback_metrics  # timed: the default path
+
+
+def test_out_of_range_recorded_indices_get_a_named_error():
+    class RecordsWrongIndices(TinyClassifier):
+        def lpa3_record_predictions(self, indices, logits, targets=None, network=None):
+            super().lpa3_record_predictions(indices + 100, logits, targets, network)
+
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, sync_free=True)
+    with pytest.raises(ValueError, match="recorded with `lpa3_record_predictions` were outside the training set"):
+        _fit([callback], max_epochs=1, module=RecordsWrongIndices())
+    assert not bool(callback.tcs.seen.any())  # none of them was applied to the memory
+
+
+@pytest.mark.parametrize("regenerate", [1, 3])
+def test_a_bad_input_range_is_refused_on_the_sync_free_path(tmp_path, regenerate):
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, sync_free=True, input_range=(1.0, -1.0),
+                            regenerate_every_n_epochs=regenerate, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="low < high"):
+        _fit([callback], max_epochs=1)
 
 
 def test_sync_free_is_validated():

@@ -127,7 +127,10 @@ def test_sync_free_attack_makes_no_synchronisation_and_matches_the_default_path(
     x = torch.rand(48, 1, 28, 28, device="cuda") * 2 - 1
     y = torch.randint(0, 2, (48,), device="cuda")
     before = snapshot(model)
-    kwargs = dict(input_range=(-1.0, 1.0), max_step=None, return_stats=True)
+    from lpa3_lightning.attack import resolve_input_range
+
+    # the bounds as device tensors: built from Python numbers at each call they would be a copy (a sync)
+    kwargs = dict(input_range=resolve_input_range((-1.0, 1.0), x), max_step=None, return_stats=True)
     x_ref, ref = lpa3_attack(model, x, y, generator=torch.Generator("cuda").manual_seed(0), **kwargs)
     lpa3_attack(model, x, y, sync_free=True, **kwargs)  # warm-up: lazy CUDA initialisation may synchronise
     torch.cuda.synchronize()
@@ -144,6 +147,41 @@ def test_sync_free_attack_makes_no_synchronisation_and_matches_the_default_path(
     assert float(close.float().mean()) >= 0.9, float(close.float().mean())
     assert bool((independent_logp_drop(model, x, x_adv, y) <= 0.02 + 1e-4).all())
     assert bool(stats.preserved.all()) and int(ref.projected.sum()) > 0
+
+
+def test_a_sync_free_callback_step_synchronises_at_most_once_in_the_package(tmp_path):
+    """CUDA's own sync detector (set_sync_debug_mode) over the callback's hooks of one step: it
+    also sees host-to-device copies, which the CPU read counter cannot."""
+    import warnings
+
+    from lightning.pytorch.callbacks import Callback
+
+    syncs: list[str] = []
+
+    class Window(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if (trainer.current_epoch, batch_idx) == (1, 1):
+                self.caught = warnings.catch_warnings(record=True)
+                self.records = self.caught.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+
+    class Close(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (trainer.current_epoch, batch_idx) == (1, 1):
+                torch.cuda.set_sync_debug_mode("default")
+                window.caught.__exit__(None, None, None)
+                syncs.extend(f"{w.filename}:{w.lineno}" for w in window.records
+                             if "synchroniz" in str(w.message).lower())
+
+    window = Window()
+    pl.seed_everything(0)
+    module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2)
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.01)  # no Adam step counters
+    callback = LPA3Callback(ratio=0.3, steps=2, seed=0, sync_free=True)
+    _trainer(tmp_path, [window, callback, Close()], max_epochs=2).fit(module, datamodule=_breast())
+    in_package = [site for site in syncs if "lpa3_lightning" in site]
+    assert len(in_package) <= 1, in_package
 
 
 def test_sync_free_fit_on_gpu_keeps_the_memory_on_the_device(tmp_path):
