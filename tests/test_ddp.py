@@ -67,8 +67,9 @@ def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeCons
     return masks, tcs
 
 
-def test_memory_identical_on_both_ranks_and_selection_equals_single_process(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "ignore_aug")
+@pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
+def test_memory_identical_on_both_ranks_and_selection_equals_single_process(tmp_path, path):
+    rank0, rank1 = _launch(tmp_path, "ignore_aug" + path)
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
     assert bool(rank0["tcs"]["seen"].all())
@@ -99,8 +100,9 @@ def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(tmp_path):
     assert int((rank0["cache"]["written"] >= 0).sum()) > PER_RANK_BATCH * 2
 
 
-def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "empty_rank1")
+@pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
+def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path, path):
+    rank0, rank1 = _launch(tmp_path, "empty_rank1" + path)
     assert sum(int(m.sum()) for _, m in rank1["steps"]) == 0
     assert sum(int(m.sum()) for _, m in rank0["steps"]) > 0
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
@@ -108,8 +110,9 @@ def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path):
     assert twin_keys and all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in twin_keys)
 
 
-def test_padded_duplicates_update_each_sample_once_an_epoch(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "padded")
+@pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
+def test_padded_duplicates_update_each_sample_once_an_epoch(tmp_path, path):
+    rank0, rank1 = _launch(tmp_path, "padded" + path)
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
     assert rank0["applied"] == {epoch: N_PADDED for epoch in range(EPOCHS)}
 

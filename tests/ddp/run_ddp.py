@@ -102,18 +102,20 @@ class Recording(LPA3Callback):
         self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.applied_per_epoch: dict[int, int] = {}
 
-    def _check_request(self, request, num_classes, num_samples):
+    def _check_request(self, request, num_classes, num_samples, values=True):
         if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
             raise ValueError("Labels out of range (simulated on one rank)")
-        super()._check_request(request, num_classes, num_samples)
+        super()._check_request(request, num_classes, num_samples, values)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         original = self.tcs.update
 
-        def counting(indices, probs, targets=None):
+        def counting(indices, probs, targets=None, **kwargs):
             epoch = trainer.current_epoch
-            self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + int(indices.numel())
-            return original(indices, probs, targets)
+            keep = kwargs.get("keep")  # the sync-free path applies the rows it keeps
+            applied = int(indices.numel()) if keep is None else int(keep.sum())
+            self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + applied
+            return original(indices, probs, targets, **kwargs)
 
         self.tcs.update = counting
         try:
@@ -122,11 +124,16 @@ class Recording(LPA3Callback):
             del self.tcs.update
 
     def _select(self, request, epoch):
-        mask, tcs_selected = super()._select(request, epoch)
+        return self._recorded(request, *super()._select(request, epoch))
+
+    def _select_sync_free(self, request, epoch):
+        return self._recorded(request, *super()._select_sync_free(request, epoch))
+
+    def _recorded(self, request, mask, tcs_selected, count):
         if self.empty_rank is not None and self._rank == self.empty_rank:
-            mask = torch.zeros_like(mask)
+            mask, count = torch.zeros_like(mask), 0
         self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
-        return mask, tcs_selected
+        return mask, tcs_selected, count
 
     def on_train_start(self, trainer, pl_module):
         self._rank = trainer.global_rank
@@ -134,6 +141,8 @@ class Recording(LPA3Callback):
 
 
 def main(out: Path, mode: str) -> None:
+    mode, _, path = mode.partition("+")  # "<mode>+sync_free": the callback's sync-free per-batch path
+    sync_free = path == "sync_free"
     pl.seed_everything(0)
     user = mode in ("user_module", "bad_index_rank1", "crash_rank1")
     if mode == "fixmatch":
@@ -188,7 +197,8 @@ def main(out: Path, mode: str) -> None:
         module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
     callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None,
                          bad_rank=1 if mode == "bad_rank1" else None, warmup_epochs=1 if user else 0,
-                         regenerate_every_n_epochs=2 if mode in ("supervised", "empty_rank1") else 1)
+                         regenerate_every_n_epochs=2 if mode in ("supervised", "empty_rank1") else 1,
+                         sync_free=sync_free)
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
