@@ -22,6 +22,7 @@ from lpa3_lightning.attack import (
 )
 from lpa3_lightning.augmented import AugmentedBatch, LPA3Request, selected_positions
 from lpa3_lightning.augmented_forward import running_statistics
+from lpa3_lightning.batch_plan import assemble_inputs, plan_rows
 from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices, count_out_of_range
 from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
@@ -655,48 +656,32 @@ class LPA3Callback(Callback):
 
     def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
                  mask: Tensor, count: int) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:
-        """This rank's hard positives (no collective), and its newly solved rows for the cache."""
+        """This rank's hard positives (no collective), and its newly solved rows for the cache:
+        plan (:func:`plan_rows`), reference forward, solve, assemble (:func:`assemble_inputs`)."""
         if self._sync_free and self.cache is None:
             return self._augment_uncached(pl_module, request, mask, count), None
         x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
         epoch = trainer.current_epoch
         # a cached x' is reused only for the label it was solved for (pseudo-labels change)
-        reuse = self.cache.fresh(idx, epoch, y) if self.cache is not None else torch.zeros_like(mask[mask])
-        new = ~reuse
-        keep = torch.ones_like(reuse)
-        if self.cache is not None and not self.attack_new_selections and not self._regeneration_epoch(epoch):
-            keep = reuse  # the solver runs in regeneration epochs only
-        elif int(new.sum()) == 1:
-            keep = reuse  # the solver's batch statistics need two samples: a lone new one waits
-        if int(keep.sum()) == 1:
-            keep = torch.zeros_like(keep)  # nor may a lone x' meet the module's train-mode BatchNorm
-        if not bool(keep.all()):
+        cached = self.cache.fresh(idx, epoch, y) if self.cache is not None else torch.zeros_like(mask[mask])
+        solver_runs = self.cache is None or self.attack_new_selections or self._regeneration_epoch(epoch)
+        plan = plan_rows(cached, solver_runs)
+        if not bool(plan.keep.all()):
             mask = mask.clone()
-            mask[mask.nonzero().flatten()[~keep]] = False
-            x, y, idx, reuse, new = x[keep], y[keep], idx[keep], reuse[keep], new[keep]
-        model = unwrap_compiled(pl_module.lpa3_model())
-        bn_mode = self._bn_mode(model)
-        if self._layer_names is None and x.shape[0]:
-            # the default layers are those whose hooks fire in the solver's forwards: probed once
-            self._layer_names = resolve_layers(model, self.layers, example_input=x)
-        x_out, stats, twin_statistics, bn_statistics = x.detach().clone(), None, None, None
+            mask[mask.nonzero().flatten()[~plan.keep]] = False
+            x, y, idx = x[plan.keep], y[plan.keep], idx[plan.keep]
+        reuse, solve = plan.reuse[plan.keep], plan.solve[plan.keep]
+        model, bn_mode = self._attack_model(pl_module, x)
+        stats, twin_statistics, bn_statistics = None, None, None
         self._last_solver_seconds = 0.0
         if x.shape[0]:
-            # The reference forward: the clean log p(y|x) of every selected sample under the
-            # normalisation that the solver checks and the training forward of x' uses (twins:
-            # the batch statistics of these clean samples, captured here and frozen).
-            reference, twin_statistics = label_log_prob(
-                model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
-                temperature=self.temperature, allow_tf32=self.allow_tf32)
-            self._pending = (reference, y)
-            bn_statistics = twin_statistics if bn_mode == "twin" else running_statistics(model)
-        x_new = x[new]
-        if x_new.shape[0]:
-            x_new, stats = self._attack(pl_module, model, x_new, y[new], bn_mode, twin_statistics)
-            x_out[new] = x_new
-        if bool(reuse.any()):
-            x_out[reuse] = self.cache.get(idx[reuse]).to(x.device, x.dtype)  # type: ignore[union-attr]
-        new_rows = (idx[new], x_new.detach(), y[new]) if self.cache is not None else None
+            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, x, y, bn_mode)
+        solved = x[solve]
+        if solved.shape[0]:
+            solved, stats = self._attack(pl_module, model, solved, y[solve], bn_mode, twin_statistics)
+        from_cache = self.cache.get(idx[reuse]) if self.cache is not None and bool(reuse.any()) else None
+        x_out = assemble_inputs(x, solve, solved, reuse, from_cache)
+        new_rows = (idx[solve], solved.detach(), y[solve]) if self.cache is not None else None
         self._eval_preserved = None
         if self.log_eval_preservation and x.shape[0]:
             self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x, x_out, y)
@@ -715,19 +700,12 @@ class LPA3Callback(Callback):
         """
         rows = selected_positions(mask, count)
         x, y, idx = (t.index_select(0, rows.to(t.device)) for t in (request.inputs, request.targets, request.indices))
-        model = unwrap_compiled(pl_module.lpa3_model())
-        bn_mode = self._bn_mode(model)
-        if self._layer_names is None and count:
-            self._layer_names = resolve_layers(model, self.layers, example_input=x)
+        model, bn_mode = self._attack_model(pl_module, x)
         x_out, stats, bn_statistics = x.detach().clone(), None, None
         self._last_solver_seconds = None
         self._eval_preserved = None
         if count:
-            reference, twin_statistics = label_log_prob(
-                model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
-                temperature=self.temperature, allow_tf32=self.allow_tf32)
-            self._pending = (reference, y)
-            bn_statistics = twin_statistics if bn_mode == "twin" else running_statistics(model)
+            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, x, y, bn_mode)
             # not timed: the solver's seconds would need a synchronisation
             x_out, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode, twin_statistics)
             if self.log_eval_preservation:
@@ -736,6 +714,26 @@ class LPA3Callback(Callback):
             inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=0, bn_mode=bn_mode,
             bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
             reference_inputs=x.detach() if bn_mode == "twin" and count else None)
+
+    def _attack_model(self, pl_module: pl.LightningModule, x: Tensor) -> tuple[nn.Module, str]:
+        """The network the solver attacks and its BatchNorm mode; the default feature layers are
+        those whose hooks fire in the solver's forwards, probed once with the first selected rows."""
+        model = unwrap_compiled(pl_module.lpa3_model())
+        if self._layer_names is None and x.shape[0]:
+            self._layer_names = resolve_layers(model, self.layers, example_input=x)
+        return model, self._bn_mode(model)
+
+    def _reference_forward(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor,
+                           bn_mode: str) -> tuple[Any, Any]:
+        """The clean ``log p(y|x)`` of the selected rows under the normalisation that the solver
+        checks and the training forward of x' uses (kept to measure ``lpa3/label_preserved`` after
+        the step). Returns the twin BatchNorms' batch statistics of these clean rows (captured here
+        and frozen; None without twins) and the statistics x' is trained under."""
+        reference, twin_statistics = label_log_prob(
+            model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
+            temperature=self.temperature, allow_tf32=self.allow_tf32)
+        self._pending = (reference, y)
+        return twin_statistics, twin_statistics if bn_mode == "twin" else running_statistics(model)
 
     def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
                                 y: Tensor) -> Tensor:
@@ -900,25 +898,25 @@ class LPA3Callback(Callback):
         # threshold and the selection) is identical everywhere; a no-op on one process.
         indices, probs, targets = gather_predictions(indices.to(probs.device), probs,
                                                      None if targets is None else targets.to(probs.device))
-        indices = indices.to(memory.device)
+        self._update_memory(memory, indices.to(memory.device), probs, targets, trainer.current_epoch)
+
+    def _update_memory(self, memory: TimeConsistency, indices: Tensor, probs: Tensor, targets: Tensor | None,
+                       epoch: int) -> None:
+        """Apply every process's predictions of this step to the TCS memory (the update step)."""
         # Non-finite predictions would poison a sample's score for good; DistributedSampler's
         # padding repeats samples in a later step of the epoch: apply each sample once an epoch.
-        epoch = trainer.current_epoch
         finite = torch.isfinite(probs).all(dim=1).to(memory.device)
-        if self._sync_free:
-            keep = finite & (self._last_update_epoch[indices.clamp(0, memory.num_samples - 1)] != epoch)
-        else:
-            keep = finite & (self._last_update_epoch[indices] != epoch)
         if self._sync_free:  # the same update, selected with torch.where: no host read
             self._nonfinite_predictions = self._nonfinite_predictions + (~finite).sum()
             # out-of-range indices are counted (refused with the next host read) and never applied
             in_range = (indices >= 0) & (indices < memory.num_samples)
             self._bad_recorded_indices = self._bad_recorded_indices + (~in_range).sum()
-            keep = keep & in_range
             indices = indices.clamp(0, memory.num_samples - 1)
+            keep = finite & in_range & (self._last_update_epoch[indices] != epoch)
             self._last_update_epoch[indices] = torch.where(keep, epoch, self._last_update_epoch[indices])
             memory.update(indices, probs, targets, keep=keep, check_values=False)
             return
+        keep = finite & (self._last_update_epoch[indices] != epoch)
         self._nonfinite_predictions += int((~finite).sum())
         self._last_update_epoch[indices[keep]] = epoch
         keep_dev = keep.to(probs.device)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.label_split import check_int
+from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.semi_supervised import (
     SEMI_SUPERVISED_SOURCES,
     SemiSupervisedDataModule,
@@ -72,6 +73,11 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         num_workers: data loader worker processes.
         download: download missing torchvision / MedMNIST files into ``root``.
         flip: random horizontal flip in the training views; None: the source's default.
+        balance_split: once the module has split the set (PES, DivideMix: a module with
+            ``noisy_split_mask()``), draw each training batch with the method's labeled share
+            (:class:`~lpa3_lightning.data.split_batches.SplitBalancedSampler`, as the authors'
+            loaders do); False: shuffled passes over the whole set, the labeled share of a
+            batch following the set's.
 
     Example:
         >>> dm = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
@@ -96,6 +102,7 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         download: bool = False,
         flip: bool | None = None,
+        balance_split: bool = True,
     ) -> None:
         super().__init__()
         if source == "stl10":
@@ -129,6 +136,9 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         self.noise_file = Path(noise_file).expanduser() if noise_file is not None else None
         self.batch_size = int(batch_size)
         self.num_workers = int(num_workers)
+        if not isinstance(balance_split, bool):
+            raise ValueError(f"`balance_split` must be True or False, got {balance_split!r}.")
+        self.balance_split = balance_split
         self.train_dataset: TwoViewNoisyDataset | None = None
         self.train_eval_dataset: TwoViewNoisyDataset | None = None  # the training set in the evaluation view
         self.clean_train_labels: np.ndarray | None = None
@@ -194,10 +204,23 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         return labels
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled ``(x_view1, x_view2, noisy_label, index)`` batches; the last partial batch is dropped."""
+        """Shuffled ``(x_view1, x_view2, noisy_label, index)`` batches; the last partial batch is dropped.
+
+        With ``balance_split`` and a module that splits the set, the batches of its semi-supervised
+        phase have the method's labeled share (:class:`SplitBalancedSampler`).
+        """
         if self.train_dataset is None:
             raise RuntimeError("The training data is not built yet; call setup('fit') first "
                                "(a Lightning Trainer does this automatically).")
+        trainer = getattr(self, "trainer", None)
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        split_mask = getattr(module, "noisy_split_mask", None)
+        if self.balance_split and callable(split_mask):
+            sampler = SplitBalancedSampler(len(self.train_dataset), self.batch_size,
+                                           lambda: (split_mask(), trainer.current_epoch),  # type: ignore[union-attr]
+                                           rule=getattr(module, "noisy_batch_rule", "pes"), seed=self.seed)
+            return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                              num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
         return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 

@@ -33,8 +33,10 @@ the two losses summed into one backward (their parameters are disjoint and the g
 gradient, so each network's update is its own; the authors train one network for a whole epoch,
 then the other): one pass over the data per epoch instead of two, and one backward per step
 under DDP. Guesses and refinements use the networks as they are at the start of the step. Each
-batch is split by the per-sample labeled mask (the labeled share follows the set's; the
-authors iterate over the labeled set and draw as many unlabeled samples). The guessing forwards
+batch is split by the per-sample labeled mask; the authors iterate over the labeled set and draw
+as many unlabeled samples, and :meth:`noisy_split_mask` lets the data module do likewise
+(``NoisyLabelDataModule(balance_split=True)``, the default: half of each batch from the samples
+labeled for either network, half from the rest, for a pass's number of steps). The guessing forwards
 leave the BatchNorm running statistics alone (the authors' move them). The GMM's initialisation
 is seeded (theirs is not). A split with fewer than two labeled or unlabeled samples is kept
 (the authors' code crashes on an empty unlabeled set): its empty part contributes zero.
@@ -133,6 +135,17 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         if len(names) != 2 or network not in names:
             raise ValueError(f"DivideMix has the networks {names}, got network={network!r}.")
         return names  # type: ignore[return-value]
+
+    #: batch composition rule of :class:`~lpa3_lightning.data.split_batches.SplitBalancedSampler`
+    noisy_batch_rule: str = "half"
+
+    def noisy_split_mask(self) -> Tensor | None:
+        """In the semi-supervised phase, the samples labeled for either network (``(N,)`` bool);
+        else None. A data module draws the phase's batches half from them, half from the rest."""
+        probs = self._dm_state()["clean_prob"]
+        if self.dividemix_phase(self.dividemix_current_epoch()) != "semi" or len(probs) < 2:
+            return None
+        return torch.stack([p > self.dividemix_threshold for p in probs.values()]).any(0)
 
     def dividemix_phase(self, epoch: int) -> DivideMixPhase:
         return "warmup" if epoch < self.dividemix_warmup_epochs else "semi"

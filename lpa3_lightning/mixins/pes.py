@@ -32,9 +32,13 @@ is fed by every row's logits in the first two phases and by the unlabeled rows' 
 forward after, so its threshold is over the whole training set (the labeled rows' scores keep
 their last value).
 
-Batches are ``(x_view1, x_view2, noisy_label, index)`` over the whole training set; the module
-splits each batch with its per-sample labeled mask (so the labeled share of a batch follows
-the set's, where the authors' loaders give the unlabeled part at most half of each batch).
+Batches are ``(x_view1, x_view2, noisy_label, index)``; the module splits each batch with its
+per-sample labeled mask. The authors' loaders give each semi-supervised step a labeled and an
+unlabeled part (the unlabeled at most half of the batch), so a small labeled set is revisited
+many times an epoch; :meth:`noisy_split_mask` lets the data module do the same
+(:class:`~lpa3_lightning.data.NoisyLabelDataModule`'s ``balance_split``, on by default). With
+batches drawn from the whole set instead, the labeled share follows the set's (a seventh or
+less at 80% noise).
 """
 
 from __future__ import annotations
@@ -124,6 +128,16 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     _pes_class_weights: Tensor | None = None
     # (the batch's view-1 inputs, the unlabeled rows' sharpened guess, their view-1 logits)
     _pes_guess: tuple[Tensor, Tensor, Tensor] | None = None
+
+    #: batch composition rule of :class:`~lpa3_lightning.data.split_batches.SplitBalancedSampler`
+    noisy_batch_rule: str = "pes"
+
+    def noisy_split_mask(self) -> Tensor | None:
+        """The current split (``(N,)`` bool, True = labeled) in the semi-supervised phase, else
+        None; a data module draws the phase's batches with PES's labeled share from it."""
+        if self._pes_labeled is None or self.pes_phase(self.pes_current_epoch()) != "semi":
+            return None
+        return self._pes_labeled
 
     # ------------------------------------------------------------------ phases
     def pes_phase(self, epoch: int) -> PESPhase:

@@ -1,0 +1,135 @@
+"""Batches with a fixed labeled share, for the semi-supervised phase of PES and DivideMix.
+
+Once PES or DivideMix has split a noisy training set into labeled (trusted) and unlabeled
+samples, their authors do not draw batches from the whole set: each step takes a labeled and an
+unlabeled part of set sizes, so a small labeled set is revisited many times an epoch. PES's code
+(Bai et al., NeurIPS 2021, as released with LP-A3) gives the unlabeled part half of each batch
+when unlabeled samples outnumber labeled ones, else its share of the set; DivideMix's code (Li
+et al., ICLR 2020) takes a labeled and an unlabeled batch of equal size every step. At 80% noise
+the labeled set is a seventh of the data or less, so a batch drawn from the whole set holds a
+handful of labeled samples and the labeled loss sees each of them once an epoch.
+
+:class:`SplitBalancedSampler` reproduces the composition with an ordinary index sampler: each
+epoch it asks for the current split, then yields batch after batch of ``labeled_per_batch``
+labeled and ``batch_size - labeled_per_batch`` unlabeled indices (each part in shuffled passes
+over its pool, no index twice in a batch). An epoch has as many batches as a pass over the
+whole set (``num_samples // batch_size``), whatever the split; before a split exists it is a
+plain shuffled pass. Under DDP Lightning wraps the sampler in a ``DistributedSamplerWrapper``,
+which shuffles the epoch's indices before dealing them to the ranks: the labeled share of a
+rank's batch then holds on average, not exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+__all__ = ["SplitBalancedSampler", "labeled_per_batch"]
+
+BatchRule = Literal["pes", "half"]
+
+
+def labeled_per_batch(num_labeled: int, num_samples: int, batch_size: int, rule: BatchRule) -> int:
+    """The labeled part of a batch of ``batch_size`` under ``rule``.
+
+    ``"pes"``: the unlabeled part is ``batch_size // 2`` when the unlabeled samples outnumber the
+    labeled, else its share of the set, ``int(num_unlabeled / num_samples * batch_size)``.
+    ``"half"`` (DivideMix): ``batch_size // 2``. Never more than there are labeled samples, never
+    fewer than the batch's unlabeled part leaves when there are few unlabeled ones.
+
+    Example:
+        >>> labeled_per_batch(550, 4000, 64, "pes"), labeled_per_batch(3000, 4000, 64, "pes")
+        (32, 48)
+    """
+    if rule not in ("pes", "half"):
+        raise ValueError(f"`rule` must be 'pes' or 'half', got {rule!r}.")
+    num_unlabeled = num_samples - num_labeled
+    if rule == "pes":
+        unlabeled = batch_size // 2 if num_unlabeled > num_labeled else int(num_unlabeled / num_samples * batch_size)
+    else:
+        unlabeled = batch_size // 2
+    labeled = batch_size - unlabeled
+    labeled = min(labeled, num_labeled)  # no sample twice in one batch from a tiny labeled set
+    return max(labeled, batch_size - num_unlabeled)
+
+
+def _distinct_batches(pool: Tensor, num_batches: int, per_batch: int, generator: torch.Generator) -> Tensor:
+    """``(num_batches, per_batch)`` indices of ``pool``, taken in shuffled passes over it, no index twice
+    in a batch (where a batch spans two passes, an index already in it waits for the next batch)."""
+    if per_batch == 0 or pool.numel() == 0:
+        return pool.new_zeros((num_batches, 0))
+    queue: list[int] = []
+    batches = []
+    for _ in range(num_batches):
+        batch: list[int] = []
+        while len(batch) < per_batch:
+            taken = next((j for j, item in enumerate(queue) if item not in batch), None)
+            if taken is None:  # the rest of this pass is in the batch already: start the next pass
+                queue.extend(pool[torch.randperm(pool.numel(), generator=generator)].tolist())
+                continue
+            batch.append(queue.pop(taken))
+        batches.append(batch)
+    return torch.tensor(batches, dtype=torch.long)
+
+
+class SplitBalancedSampler(Sampler[int]):
+    """Indices for batches of ``batch_size`` with a fixed labeled share (see the module docstring).
+
+    Args:
+        num_samples: size of the training set.
+        batch_size: the loader's batch size (the loader must use it, with ``drop_last=True``).
+        split: called at the start of each epoch; returns ``(labeled_mask, epoch)``: the current
+            split, a ``(num_samples,)`` bool tensor or None before there is one, and the epoch
+            (it seeds the epoch's draws, so a resumed run draws what an uninterrupted one would).
+        rule: ``"pes"`` or ``"half"`` (:func:`labeled_per_batch`).
+        seed: base seed of the draws.
+
+    Example:
+        >>> labeled = torch.zeros(100, dtype=torch.bool); labeled[:10] = True
+        >>> sampler = SplitBalancedSampler(100, 20, lambda: (labeled, 3), rule="pes")
+        >>> batches = torch.tensor(list(sampler)).view(-1, 20)
+        >>> batches.shape[0], int(labeled[batches].sum(1).min()), int(labeled[batches].sum(1).max())
+        (5, 10, 10)
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, split: Callable[[], tuple[Tensor | None, int]],
+                 rule: BatchRule = "pes", seed: int = 0) -> None:
+        if not isinstance(num_samples, int) or not isinstance(batch_size, int) or not 1 <= batch_size <= num_samples:
+            raise ValueError(f"`batch_size` must be an int in [1, num_samples={num_samples}], got {batch_size!r}. "
+                             "Fix: use a batch no larger than the training set.")
+        labeled_per_batch(0, num_samples, batch_size, rule)  # checks `rule`
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.split = split
+        self.rule: BatchRule = rule
+        self.seed = int(seed)
+
+    @property
+    def num_batches(self) -> int:
+        return self.num_samples // self.batch_size
+
+    def __len__(self) -> int:
+        return self.num_batches * self.batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        mask, epoch = self.split()
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(epoch))
+        if mask is None:
+            yield from torch.randperm(self.num_samples, generator=generator)[: len(self)].tolist()
+            return
+        mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
+        if mask.shape != (self.num_samples,):
+            raise ValueError(f"The split has shape {tuple(mask.shape)}, the training set {self.num_samples} samples. "
+                             "Fix: return one labeled flag per training sample.")
+        labeled_pool, unlabeled_pool = mask.nonzero().flatten(), (~mask).nonzero().flatten()
+        per_batch = labeled_per_batch(labeled_pool.numel(), self.num_samples, self.batch_size, self.rule)
+        labeled = _distinct_batches(labeled_pool, self.num_batches, per_batch, generator)
+        unlabeled = _distinct_batches(unlabeled_pool, self.num_batches, self.batch_size - per_batch, generator)
+        batches = torch.cat([labeled, unlabeled], dim=1)
+        # mixed within each batch, so a loader that cuts the stream anywhere sees no ordering
+        order = torch.argsort(torch.rand(batches.shape, generator=generator), dim=1)
+        yield from batches.gather(1, order).flatten().tolist()
