@@ -218,7 +218,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         if self.balance_split and callable(split_mask):
             sampler = SplitBalancedSampler(len(self.train_dataset), self.batch_size,
                                            lambda: (split_mask(), trainer.current_epoch),  # type: ignore[union-attr]
-                                           rule=getattr(module, "noisy_batch_rule", "pes"), seed=self.seed)
+                                           rule=getattr(module, "noisy_batch_rule", "pes"),
+                                           seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
             return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                               num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
         return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,

@@ -14,9 +14,13 @@ epoch it asks for the current split, then yields batch after batch of ``labeled_
 labeled and ``batch_size - labeled_per_batch`` unlabeled indices (each part in shuffled passes
 over its pool, no index twice in a batch). An epoch has as many batches as a pass over the
 whole set (``num_samples // batch_size``), whatever the split; before a split exists it is a
-plain shuffled pass. Under DDP Lightning wraps the sampler in a ``DistributedSamplerWrapper``,
-which shuffles the epoch's indices before dealing them to the ranks: the labeled share of a
-rank's batch then holds on average, not exactly.
+plain shuffled pass. Under DDP the stream is laid out for the round-robin dealing of Lightning's
+sampler wrapper, so each process's batch has the share too.
+
+The split is read when the epoch's data iterator is made. Lightning makes it after
+``on_train_epoch_start`` (where PES and DivideMix refresh the split) in every epoch but the first
+of a fit: a run resumed from a checkpoint draws its first epoch's batches with the checkpoint's
+split (the epoch before's); the loss still uses the refreshed one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Sampler
 
@@ -81,12 +86,23 @@ class SplitBalancedSampler(Sampler[int]):
 
     Args:
         num_samples: size of the training set.
-        batch_size: the loader's batch size (the loader must use it, with ``drop_last=True``).
-        split: called at the start of each epoch; returns ``(labeled_mask, epoch)``: the current
-            split, a ``(num_samples,)`` bool tensor or None before there is one, and the epoch
-            (it seeds the epoch's draws, so a resumed run draws what an uninterrupted one would).
+        batch_size: the loader's batch size per process (the loader must use it, with
+            ``drop_last=True``).
+        split: called when an epoch's iterator is made; returns ``(labeled_mask, epoch)``: the
+            current split, a ``(num_samples,)`` bool tensor or None before there is one, and
+            the epoch (with ``seed``, it seeds the epoch's balanced draws, identically on every
+            process).
         rule: ``"pes"`` or ``"half"`` (:func:`labeled_per_batch`).
-        seed: base seed of the draws.
+        seed: base seed of the balanced draws (the data module passes Lightning's global seed).
+        num_replicas: processes the indices are dealt to; None: the ``torch.distributed`` world
+            size when initialised, else 1.
+
+    Before there is a split, one process draws a plain shuffled pass from torch's global
+    generator, as ``shuffle=True`` does (under DDP: from the seeded generator, so every process
+    deals from the same order). Under DDP Lightning wraps the sampler in a
+    ``DistributedSamplerWrapper`` that deals the indices round robin, ``stream[rank::W]``; the
+    stream is laid out for that dealing (each block of ``W`` batches interleaved), so every
+    process's batch has the labeled share exactly.
 
     Example:
         >>> labeled = torch.zeros(100, dtype=torch.bool); labeled[:10] = True
@@ -97,16 +113,19 @@ class SplitBalancedSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, batch_size: int, split: Callable[[], tuple[Tensor | None, int]],
-                 rule: BatchRule = "pes", seed: int = 0) -> None:
+                 rule: BatchRule = "pes", seed: int = 0, num_replicas: int | None = None) -> None:
         if not isinstance(num_samples, int) or not isinstance(batch_size, int) or not 1 <= batch_size <= num_samples:
             raise ValueError(f"`batch_size` must be an int in [1, num_samples={num_samples}], got {batch_size!r}. "
                              "Fix: use a batch no larger than the training set.")
+        if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
+            raise ValueError(f"`num_replicas` must be a positive int or None, got {num_replicas!r}.")
         labeled_per_batch(0, num_samples, batch_size, rule)  # checks `rule`
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.split = split
         self.rule: BatchRule = rule
         self.seed = int(seed)
+        self.num_replicas = num_replicas
 
     @property
     def num_batches(self) -> int:
@@ -115,10 +134,18 @@ class SplitBalancedSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_batches * self.batch_size
 
+    def _world_size(self) -> int:
+        if self.num_replicas is not None:
+            return self.num_replicas
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
     def __iter__(self) -> Iterator[int]:
         mask, epoch = self.split()
+        world = self._world_size()
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(epoch))
         if mask is None:
+            if world == 1:  # as a shuffled DataLoader: a generator seeded from the global one
+                generator = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
             yield from torch.randperm(self.num_samples, generator=generator)[: len(self)].tolist()
             return
         mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
@@ -131,5 +158,9 @@ class SplitBalancedSampler(Sampler[int]):
         unlabeled = _distinct_batches(unlabeled_pool, self.num_batches, self.batch_size - per_batch, generator)
         batches = torch.cat([labeled, unlabeled], dim=1)
         # mixed within each batch, so a loader that cuts the stream anywhere sees no ordering
-        order = torch.argsort(torch.rand(batches.shape, generator=generator), dim=1)
-        yield from batches.gather(1, order).flatten().tolist()
+        batches = batches.gather(1, torch.argsort(torch.rand(batches.shape, generator=generator), dim=1))
+        whole = self.num_batches - self.num_batches % world
+        # round-robin dealing gives process r the positions r, r + W, ...: interleave each block
+        # of W batches so that those positions are one whole batch
+        blocks = batches[:whole].view(-1, world, self.batch_size).transpose(1, 2).flatten()
+        yield from torch.cat([blocks, batches[whole:].flatten()]).tolist()

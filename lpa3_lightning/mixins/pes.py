@@ -34,7 +34,8 @@ their last value).
 
 Batches are ``(x_view1, x_view2, noisy_label, index)``; the module splits each batch with its
 per-sample labeled mask. The authors' loaders give each semi-supervised step a labeled and an
-unlabeled part (the unlabeled at most half of the batch), so a small labeled set is revisited
+unlabeled part (the unlabeled half the batch when unlabeled samples outnumber labeled ones, else
+its share of the set), so a small labeled set is revisited
 many times an epoch; :meth:`noisy_split_mask` lets the data module do the same
 (:class:`~lpa3_lightning.data.NoisyLabelDataModule`'s ``balance_split``, on by default). With
 batches drawn from the whole set instead, the labeled share follows the set's (a seventh or

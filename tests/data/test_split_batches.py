@@ -11,6 +11,7 @@ import torch
 from lpa3_lightning import DivideMixClassifier, PESClassifier
 from lpa3_lightning.data import NoisyLabelDataModule
 from lpa3_lightning.data.split_batches import SplitBalancedSampler, labeled_per_batch
+from torch.utils.data import DistributedSampler, RandomSampler
 
 
 @pytest.mark.parametrize(("labeled", "rule", "expected"), [
@@ -44,18 +45,42 @@ def test_every_batch_has_the_labeled_share_and_the_labeled_set_is_revisited_even
     assert all(len(set(b.tolist())) == 16 for b in batches)  # no sample twice in a batch
 
 
-def test_without_a_split_an_epoch_is_a_shuffled_pass_and_the_epoch_seeds_the_order():
+def test_without_a_split_an_epoch_is_the_shuffled_loaders_pass_and_the_epoch_seeds_the_balanced_order():
+    torch.manual_seed(3)
     order = list(SplitBalancedSampler(100, 16, lambda: (None, 0)))
-    assert len(order) == 96 and len(set(order)) == 96
+    torch.manual_seed(3)
+    assert order == list(RandomSampler(range(100)))[:96]  # what shuffle=True with drop_last would draw
     mask = _split(100, 20)
     first = list(SplitBalancedSampler(100, 16, lambda: (mask, 4), seed=1))
     assert first == list(SplitBalancedSampler(100, 16, lambda: (mask, 4), seed=1))  # reproducible
     assert first != list(SplitBalancedSampler(100, 16, lambda: (mask, 5), seed=1))  # a new order each epoch
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_under_ddp_each_process_deals_whole_batches_with_the_share(split):
+    mask = _split(400, 30) if split else None
+    sampler = SplitBalancedSampler(400, 16, lambda: (mask, 2), num_replicas=3)
+    stream = list(sampler)
+
+    class Dealt:  # Lightning's DistributedSamplerWrapper(shuffle=False) over the sampler
+        def __len__(self):
+            return len(stream)
+
+    positions = [list(DistributedSampler(Dealt(), num_replicas=3, rank=r, shuffle=False)) for r in range(3)]
+    assert set().union(*positions) == set(range(len(stream)))  # every drawn index reaches a process
+    per_rank = [torch.tensor([stream[i] for i in p]) for p in positions]
+    for indices in per_rank:
+        batches = indices[: len(indices) // 16 * 16].view(-1, 16)
+        assert all(len(set(b.tolist())) == 16 for b in batches)
+        if split:
+            assert (mask[batches[:24 // 3]].sum(1) == 8).all()  # 25 batches: the 24 of whole blocks are exact
+
+
 def test_bad_arguments_and_a_split_of_another_size_are_refused_by_name():
     with pytest.raises(ValueError, match="batch_size"):
         SplitBalancedSampler(10, 11, lambda: (None, 0))
+    with pytest.raises(ValueError, match="num_replicas"):
+        SplitBalancedSampler(10, 2, lambda: (None, 0), num_replicas=0)
     with pytest.raises(ValueError, match="rule"):
         SplitBalancedSampler(10, 2, lambda: (None, 0), rule="divide")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one labeled flag per training sample"):
