@@ -11,7 +11,8 @@ import torch
 from lpa3_lightning import DivideMixClassifier, PESClassifier
 from lpa3_lightning.data import NoisyLabelDataModule
 from lpa3_lightning.data.split_batches import SplitBalancedSampler, labeled_per_batch
-from torch.utils.data import DistributedSampler, RandomSampler
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import RandomSampler
 
 
 @pytest.mark.parametrize(("labeled", "rule", "expected"), [
@@ -61,14 +62,10 @@ def test_under_ddp_each_process_deals_whole_batches_with_the_share(split):
     mask = _split(400, 30) if split else None
     sampler = SplitBalancedSampler(400, 16, lambda: (mask, 2), num_replicas=3)
     stream = list(sampler)
-
-    class Dealt:  # Lightning's DistributedSamplerWrapper(shuffle=False) over the sampler
-        def __len__(self):
-            return len(stream)
-
-    positions = [list(DistributedSampler(Dealt(), num_replicas=3, rank=r, shuffle=False)) for r in range(3)]
-    assert set().union(*positions) == set(range(len(stream)))  # every drawn index reaches a process
-    per_rank = [torch.tensor([stream[i] for i in p]) for p in positions]
+    # what Lightning injects under DDP for a custom sampler (shuffle follows the loader: False here)
+    per_rank = [torch.tensor(list(DistributedSamplerWrapper(sampler, num_replicas=3, rank=r, shuffle=False)))
+                for r in range(3)]
+    assert set(torch.cat(per_rank).tolist()) == set(stream)  # every drawn index reaches a process
     for indices in per_rank:
         batches = indices[: len(indices) // 16 * 16].view(-1, 16)
         assert all(len(set(b.tolist())) == 16 for b in batches)
