@@ -8,7 +8,11 @@ expires ``K`` epochs after it was written, so every sample is attacked at most o
 
 The store is one tensor indexed by dataset index, allocated at the first write: in memory
 when it fits in ``max_bytes``, else in a memory-mapped file under ``directory`` (for large
-data sets); without a directory an over-large cache is refused with the fix. Each entry
+data sets); without a directory an over-large cache is refused with the fix. The in-memory
+store lives on ``device``: beside the model on a GPU, a reused ``x'`` is an index into device
+memory, with no host-to-device copy of the inputs (the entries' epochs and labels stay on the
+host, where the plan step reads them). When the GPU has less than twice the store free, it
+stays in host memory, with a warning. Each entry
 keeps the label it was solved for and is reused only for that label (pseudo-labels change
 between epochs). The in-memory store is checkpointed only when asked
 (``state_dict(include_inputs=True)``; it can be as large as ``max_bytes``); a file store never
@@ -22,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,7 @@ class AugmentationCache:
         every_n_epochs: ``K``; an entry written in epoch ``e`` is reused until epoch ``e + K - 1``.
         max_bytes: largest in-memory store; beyond it a file under ``directory`` is used.
         directory: folder for the memory-mapped store (created when needed).
+        device: where an in-memory store lives (a file store is always in host memory).
 
     Raises:
         ValueError: on a bad argument, or (at the first write) a store larger than
@@ -57,7 +63,7 @@ class AugmentationCache:
     """
 
     def __init__(self, num_samples: int, every_n_epochs: int, max_bytes: int = DEFAULT_MAX_BYTES,
-                 directory: str | Path | None = None) -> None:
+                 directory: str | Path | None = None, device: torch.device | str = "cpu") -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int, got {num_samples!r}.")
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
@@ -69,6 +75,7 @@ class AugmentationCache:
         self.every_n_epochs = every_n_epochs
         self.max_bytes = max_bytes
         self.directory = None if directory is None else Path(directory)
+        self.device = torch.device(device)
         self.storage: Tensor | None = None
         self.file: Path | None = None
         self.written = torch.full((num_samples,), -1, dtype=torch.long)  # epoch of the entry, -1: none
@@ -82,7 +89,13 @@ class AugmentationCache:
         numel = self.num_samples * math.prod(sample_shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes <= self.max_bytes:
-            self.storage = torch.zeros((self.num_samples, *sample_shape), dtype=dtype)
+            device = self.device
+            if device.type == "cuda" and 2 * nbytes > torch.cuda.mem_get_info(device)[0]:
+                warnings.warn(f"The x' cache ({nbytes / 2**20:.1f} MiB) would take more than half of the free memory "
+                              f"of {device}; it is kept in host memory instead (reuse then copies x' to the GPU).",
+                              stacklevel=3)
+                device = torch.device("cpu")
+            self.storage = torch.zeros((self.num_samples, *sample_shape), dtype=dtype, device=device)
             return
         if self.directory is None:
             raise ValueError(
@@ -118,10 +131,10 @@ class AugmentationCache:
         return bool((self._young(self.written, epoch) & (self.written < epoch)).any())
 
     def get(self, indices: Tensor) -> Tensor:
-        """The stored ``x'`` of ``indices`` (CPU); only valid for entries reported fresh."""
+        """The stored ``x'`` of ``indices``, on the store's device; only valid for entries reported fresh."""
         if self.storage is None:
             raise RuntimeError("The augmentation cache is empty.")
-        return self.storage[self._check_indices(indices)]
+        return self.storage[self._check_indices(indices).to(self.storage.device)]
 
     def put(self, indices: Tensor, inputs: Tensor, labels: Tensor | None = None, *, epoch: int) -> None:
         """Store ``x'`` for ``indices`` as generated in ``epoch`` (for ``labels``, when given)."""
@@ -130,7 +143,8 @@ class AugmentationCache:
         idx = self._check_indices(indices)
         if self.storage is None:
             self._allocate(tuple(inputs.shape[1:]), inputs.dtype)
-        self.storage[idx] = inputs.detach().to("cpu", self.storage.dtype)  # type: ignore[index]
+        store = self.storage  # type: ignore[union-attr]
+        store[idx.to(store.device)] = inputs.detach().to(store.device, store.dtype)  # type: ignore[index]
         self.written[idx] = epoch
         self.labels[idx] = -1 if labels is None else labels.detach().cpu().long()
 
@@ -152,7 +166,7 @@ class AugmentationCache:
             "num_samples": self.num_samples,
             "written": self.written.clone() if saved else torch.full_like(self.written, -1),
             "labels": self.labels.clone() if saved else torch.full_like(self.labels, -1),
-            "storage": self.storage.clone() if saved else None,
+            "storage": self.storage.cpu().clone() if saved else None,  # a checkpoint loads on any machine
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -166,4 +180,4 @@ class AugmentationCache:
         # match, so those entries are regenerated
         self.labels = state.get("labels", torch.full_like(self.written, -1)).clone()
         if state.get("storage") is not None:
-            self.storage, self.file = state["storage"].clone(), None
+            self.storage, self.file = state["storage"].to(self.device, copy=True), None

@@ -122,6 +122,9 @@ class LPA3Callback(Callback):
         cache_max_bytes: largest in-memory cache; beyond it a memory-mapped file is used.
         cache_dir: folder of that file; None uses ``<trainer.default_root_dir>/lpa3_cache``.
             Under DDP every rank holds the whole cache (new ``x'`` are all-gathered).
+        cache_on_device: keep an in-memory cache on the model's device (GPU memory on a GPU:
+            a reused ``x'`` costs no host-to-device copy; it falls back to host memory, with a
+            warning, when the GPU has less than twice the cache free); False: host memory.
         restore_rng: save torch's global random state (CPU and CUDA) with the callback's state
             and restore it on resume, so that a resumed run continues the same random stream
             (needed for a bitwise-equal resume; Lightning does not checkpoint it). Single
@@ -192,6 +195,7 @@ class LPA3Callback(Callback):
         attack_new_selections: bool = True,
         cache_max_bytes: int = DEFAULT_MAX_BYTES,
         cache_dir: str | None = None,
+        cache_on_device: bool = True,
         restore_rng: bool = True,
         log_images_every_n_epochs: int = 0,
         num_logged_images: int = 8,
@@ -283,6 +287,9 @@ class LPA3Callback(Callback):
         self.attack_new_selections = attack_new_selections
         self.cache_max_bytes = cache_max_bytes
         self.cache_dir = cache_dir
+        if not isinstance(cache_on_device, bool):
+            raise ValueError(f"`cache_on_device` must be True or False, got {cache_on_device!r}.")
+        self.cache_on_device = cache_on_device
         self.cache: AugmentationCache | None = None
         self.tcs: TimeConsistency | None = None
         self._generator: torch.Generator | None = None
@@ -522,7 +529,8 @@ class LPA3Callback(Callback):
             metric.to(pl_module.device)
         if self.regenerate_every_n_epochs > 1:
             cache = AugmentationCache(num_samples, self.regenerate_every_n_epochs, self.cache_max_bytes,
-                                      self.cache_dir or Path(trainer.default_root_dir) / "lpa3_cache")
+                                      self.cache_dir or Path(trainer.default_root_dir) / "lpa3_cache",
+                                      device=pl_module.device if self.cache_on_device else "cpu")
             if self.cache is not None and self._restored:  # an earlier fit's x' are not reused
                 cache.load_state_dict(self.cache.state_dict(include_inputs=True))
             self.cache = cache

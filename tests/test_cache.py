@@ -87,3 +87,32 @@ def test_an_entry_is_reused_only_for_the_label_it_was_solved_for():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AugmentationCache(4, **kwargs)
+
+
+def test_a_cache_larger_than_half_the_gpus_free_memory_stays_in_host_memory(monkeypatch):
+    # the check runs before anything is allocated on the GPU, so it is testable without one
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100, 10_000))
+    cache = AugmentationCache(10, 2, device="cuda")
+    with pytest.warns(UserWarning, match="host memory"):
+        cache.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)  # 160 bytes > 100 / 2 free
+    assert cache.storage is not None and cache.storage.device.type == "cpu"
+    assert torch.equal(cache.get(torch.tensor([1])), torch.ones(1, 4))
+
+
+def test_a_checkpointed_store_is_saved_in_host_memory_and_restored_on_the_caches_device():
+    cache = AugmentationCache(4, 2)
+    cache.put(torch.tensor([0, 3]), torch.arange(6.0).view(2, 3), torch.tensor([1, 0]), epoch=0)
+    state = cache.state_dict(include_inputs=True)
+    assert state["storage"].device.type == "cpu" and state["storage"].data_ptr() != cache.storage.data_ptr()
+    restored = AugmentationCache(4, 2, device="cpu")
+    restored.load_state_dict(state)
+    state["storage"].zero_()  # the restored store is a copy
+    assert torch.equal(restored.get(torch.tensor([3])), torch.tensor([[3.0, 4.0, 5.0]]))
+    assert restored.fresh(torch.tensor([0, 3]), 1, torch.tensor([1, 1])).tolist() == [True, False]
+
+
+def test_the_callback_refuses_a_non_bool_cache_on_device():
+    from lpa3_lightning import LPA3Callback
+
+    with pytest.raises(ValueError, match="cache_on_device"):
+        LPA3Callback(regenerate_every_n_epochs=2, cache_on_device="gpu")  # type: ignore[arg-type]

@@ -120,6 +120,19 @@ def test_cache_and_checkpoint_resume_on_gpu(tmp_path):
     assert float(trainer2.callback_metrics["lpa3/label_preserved_epoch"]) >= 0.99
 
 
+@pytest.mark.parametrize("on_device", [True, False])
+def test_the_x_prime_cache_lives_beside_the_model_and_reuse_reads_it_there(tmp_path, on_device):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2, cache_on_device=on_device)
+    trainer = _trainer(tmp_path, [callback], limit_train_batches=3)
+    trainer.fit(LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2), datamodule=_breast())
+    assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) > 0
+    assert callback.cache.storage.device.type == ("cuda" if on_device else "cpu")
+    fresh = callback.cache.written >= 0
+    got = callback.cache.get(fresh.nonzero().flatten()[:4].cuda())
+    assert got.device.type == ("cuda" if on_device else "cpu")  # the callback moves a host copy to the GPU
+
+
 # ---------------------------------------------------------------- the sync-free path on the device
 def test_sync_free_attack_makes_no_synchronisation_and_matches_the_default_path():
     torch.manual_seed(0)
