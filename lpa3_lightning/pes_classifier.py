@@ -62,6 +62,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
             150 of 300; a negative value never switches).
         rampup_epochs: ramp length of the unlabeled weight (16).
         lpa3_mixup: mix the ``x'`` up with the labeled views (authors) or train them unmixed.
+        lpa3_confidence: attack only unlabeled rows whose sharpened guess is at least this sure
+            of its label (None: all, as the authors).
         freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
         model: use this network instead of building ``arch``.
@@ -91,6 +93,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         alpha_late_epoch: int | None = None,
         rampup_epochs: float = 16.0,
         lpa3_mixup: bool = True,
+        lpa3_confidence: float | None = None,
         freeze_head_in_semi: bool = False,
         twin_bn: bool = True,
         model: nn.Module | None = None,
@@ -107,6 +110,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
                 raise ValueError(f"`{name}` must be > 0, got {value!r}.")
         if lambda_u < 0:
             raise ValueError(f"`lambda_u` must be >= 0, got {lambda_u!r}. Fix: use 150 (PES) or 25 (small sets).")
+        if lpa3_confidence is not None and (isinstance(lpa3_confidence, bool) or not 0 < lpa3_confidence <= 1):
+            raise ValueError(f"`lpa3_confidence` must be None or in (0, 1], got {lpa3_confidence!r}. Fix: e.g. 0.9.")
         self.save_hyperparameters(ignore=["model"])
         self.automatic_optimization = False
         net = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
@@ -121,6 +126,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         self.pes_alpha_late = alpha_late
         self.pes_rampup_epochs = rampup_epochs
         self.pes_lpa3_mixup = lpa3_mixup
+        self.pes_lpa3_confidence = lpa3_confidence
         self._alpha_late_epoch_arg = alpha_late_epoch
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

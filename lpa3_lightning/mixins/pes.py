@@ -112,6 +112,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         pes_class_weight_cap: largest class weight of the labeled loss (3).
         pes_lpa3_mixup: True (authors): the ``x'`` are mixed up with the labeled views; False:
             the unmixed ``x'`` are trained against the guessed label.
+        pes_lpa3_confidence: None (authors): every unlabeled row may be attacked; a number in
+            (0, 1]: only the rows whose sharpened guess gives its label at least this
+            probability (FixMatch + LP-A3's second threshold, carried over): an ``x'`` keeps its
+            guessed label, so a wrong guess becomes a hard positive of the wrong class.
     """
 
     pes_early_epochs: int = 20
@@ -124,6 +128,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     pes_rampup_epochs: float = 16.0
     pes_class_weight_cap: float = 3.0
     pes_lpa3_mixup: bool = True
+    pes_lpa3_confidence: float | None = None
     lpa3_num_samples: int | None = None
     _pes_labeled: Tensor | None = None  # (N,) bool, the current split
     _pes_class_weights: Tensor | None = None
@@ -270,7 +275,11 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             return LPA3Request(inputs=x1, targets=y, indices=idx)
         unlabeled = ~self._pes_split_rows(idx)
         guess = self.pes_guess(batch)
-        return LPA3Request(inputs=x1[unlabeled], targets=guess.argmax(1), indices=idx[unlabeled])
+        x_u, idx_u = x1[unlabeled], idx[unlabeled]
+        if self.pes_lpa3_confidence is not None:  # only confident guesses are preserved
+            sure = (guess.max(1).values >= self.pes_lpa3_confidence).to(x_u.device)
+            x_u, idx_u, guess = x_u[sure], idx_u[sure], guess[sure]
+        return LPA3Request(inputs=x_u, targets=guess.argmax(1), indices=idx_u)
 
     # ------------------------------------------------------------------ loss
     def pes_loss(self, batch: Any, batch_idx: int = 0, batches_per_epoch: int = 1) -> tuple[Tensor, dict[str, Tensor]]:

@@ -142,6 +142,37 @@ def test_loss_terms_in_the_early_and_semi_phases():
     assert float(parts["labeled_share"]) == pytest.approx(10 / 24)
 
 
+@pytest.mark.parametrize("threshold", [False, True])
+def test_the_request_holds_the_unlabeled_rows_whose_guess_is_sure_enough(threshold):
+    torch.manual_seed(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
+                           refine_epochs=0)
+    module.pes_current_epoch = lambda: 1  # type: ignore[method-assign]
+    batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
+    x1, x2, _, idx = batch
+    labeled = torch.zeros(48, dtype=torch.bool)
+    labeled[idx[:10]] = True
+    module._pes_labeled, module._pes_class_weights = labeled, torch.ones(NUM_CLASSES)
+    # independently: the sharpened mean of both views' predictions, the unlabeled rows only
+    with torch.no_grad():  # one forward of both views (train-mode BatchNorm: batch statistics of the 28 rows)
+        p1, p2 = torch.softmax(module.model(torch.cat([x1[10:], x2[10:]])), 1).chunk(2)
+    guess = sharpen((p1 + p2) / 2, 0.5)
+    sure = guess.max(1).values
+    keep = torch.ones(14, dtype=torch.bool)
+    if threshold:  # a threshold between the guesses' confidences, so that it bites
+        module.pes_lpa3_confidence = float(sure.median())
+        keep = sure >= module.pes_lpa3_confidence
+        assert 0 < int(keep.sum()) < 14
+    request = module.lpa3_request(batch)
+    assert torch.equal(request.indices, idx[10:][keep]) and torch.equal(request.targets, guess.argmax(1)[keep])
+    assert torch.equal(request.inputs, x1[10:][keep])
+
+
+def test_a_confidence_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="lpa3_confidence"):
+        PESClassifier(num_classes=NUM_CLASSES, num_samples=48, lpa3_confidence=1.5)
+
+
 def test_a_batch_of_another_layout_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="NoisyLabelDataModule"):
         split_two_view_batch((torch.zeros(2, 1, 4, 4), torch.zeros(2)))

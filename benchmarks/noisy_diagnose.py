@@ -1,0 +1,108 @@
+"""Why LP-A3 helps PES or not: how often the labels it trains x' on are right, per epoch.
+
+One PES + LP-A3 run (``benchmarks/noisy_table.py``'s settings) with a watcher that reads, in
+each semi-supervised step, the clean labels the data module keeps for evaluation (they never
+reach the training step) and prints per epoch:
+
+- ``labeled clean``: share of the labeled rows whose noisy label is the clean one;
+- ``guess right``: share of the unlabeled rows whose guessed label (argmax of the sharpened
+  guess) is the clean one;
+- ``x' label right``: the same over the rows the callback attacked (TCS picks the least
+  time-consistent, i.e. the hardest, unlabeled samples);
+- ``x' share``: attacked rows per unlabeled row; and the clean test accuracy.
+
+Usage::
+
+    python benchmarks/noisy_diagnose.py --seed 0 --epochs 12 --warmup 5 --sigma 0.02 --ratio 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rate", type=float, default=0.8)
+    parser.add_argument("--sigma", type=float, default=0.02)
+    parser.add_argument("--ratio", type=float, default=0.9)
+    parser.add_argument("--lambda-u", type=float, default=25.0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lpa3_lightning import LPA3Callback, PESClassifier
+    from lpa3_lightning.data import NoisyLabelDataModule
+
+    torch.set_num_threads(args.threads)
+    pl.seed_everything(args.seed)
+    data = NoisyLabelDataModule("mnist5k", noise_rate=args.rate, noise_mode="symmetric", noise_convention="other",
+                                seed=args.seed, batch_size=args.batch_size)
+    data.setup("fit")
+    data.setup("test")
+    clean = torch.as_tensor(data.clean_train_labels)
+    noisy = torch.as_tensor(data.noisy_train_labels)
+    module = PESClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
+                           early_epochs=args.warmup, refine_epochs=0, lambda_u=args.lambda_u)
+    lpa3 = LPA3Callback(ratio=args.ratio, sigma=args.sigma, steps=5, warmup_epochs=args.warmup, seed=0)
+
+    class Watch(Callback):
+        """Counts, after LPA3Callback prepared the step (so before training_step), against the clean labels."""
+
+        def __init__(self) -> None:
+            self.counts: dict[str, float] = {}
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.counts = dict.fromkeys(("lab", "lab_clean", "unl", "guess_right", "adv", "adv_right"), 0.0)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if pl_module.noisy_split_mask() is None:
+                return
+            idx = batch[3].cpu()
+            labeled = pl_module.noisy_split_mask().cpu()[idx]
+            c = self.counts
+            c["lab"] += float(labeled.sum())
+            c["lab_clean"] += float((noisy[idx][labeled] == clean[idx][labeled]).sum())
+            guess = pl_module._pes_guess
+            if guess is not None:
+                right = guess[1].argmax(1).cpu() == clean[idx[~labeled]]
+                c["unl"] += float((~labeled).sum())
+                c["guess_right"] += float(right.sum())
+            augmented = pl_module._lpa3_augmented
+            if augmented is not None and len(augmented):
+                c["adv"] += len(augmented)
+                c["adv_right"] += float((augmented.targets.cpu() == clean[augmented.indices.cpu()]).sum())
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            c = self.counts
+            pl_module.eval()
+            correct = 0
+            with torch.no_grad():
+                for x, y, _ in data.test_dataloader():
+                    correct += int((pl_module(x).argmax(1) == y).sum())
+            pl_module.train()
+            share = lambda a, b: f"{c[a] / c[b]:.3f}" if c[b] else "-"  # noqa: E731
+            print(f"epoch {trainer.current_epoch:2d}: labeled clean {share('lab_clean', 'lab')}, guess right "
+                  f"{share('guess_right', 'unl')}, x' label right {share('adv_right', 'adv')}, x' share "
+                  f"{share('adv', 'unl')}, test acc {correct / len(data.test_dataloader().dataset):.3f}", flush=True)
+
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[lpa3, Watch()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()
