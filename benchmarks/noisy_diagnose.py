@@ -1,6 +1,7 @@
 """Why LP-A3 helps PES or not: how often the labels it trains x' on are right, per epoch.
 
-One PES + LP-A3 run (``benchmarks/noisy_table.py``'s settings) with a watcher that reads, in
+One PES + LP-A3 run (the settings of the ``docs/results.md`` runs: small CNN, batch 64, T1 = 5,
+no refine phase, lambda_u 25, ratio 0.9, sigma 0.02, 5 steps) with a watcher that reads, in
 each semi-supervised step, the clean labels the data module keeps for evaluation (they never
 reach the training step) and prints per epoch:
 
@@ -10,6 +11,9 @@ reach the training step) and prints per epoch:
 - ``x' label right``: the same over the rows the callback attacked (TCS picks the least
   time-consistent, i.e. the hardest, unlabeled samples);
 - ``x' share``: attacked rows per unlabeled row; and the clean test accuracy.
+
+Counts are per batch visit (the balanced sampler revisits the labeled set). ``--confidence``
+runs the ``lpa3_confidence`` variant.
 
 Usage::
 
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.9)
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--confidence", type=float, default=None, help="PESClassifier(lpa3_confidence=)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -55,7 +60,8 @@ def main() -> None:
     clean = torch.as_tensor(data.clean_train_labels)
     noisy = torch.as_tensor(data.noisy_train_labels)
     module = PESClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                           early_epochs=args.warmup, refine_epochs=0, lambda_u=args.lambda_u)
+                           early_epochs=args.warmup, refine_epochs=0, lambda_u=args.lambda_u,
+                           lpa3_confidence=args.confidence)
     lpa3 = LPA3Callback(ratio=args.ratio, sigma=args.sigma, steps=5, warmup_epochs=args.warmup, seed=0)
 
     class Watch(Callback):
@@ -75,8 +81,10 @@ def main() -> None:
             c = self.counts
             c["lab"] += float(labeled.sum())
             c["lab_clean"] += float((noisy[idx][labeled] == clean[idx][labeled]).sum())
-            guess = pl_module._pes_guess
+            guess = pl_module._pes_guess  # made for this batch by the request (LPA3Callback runs first)
             if guess is not None:
+                if guess[0] is not batch[0]:
+                    raise RuntimeError("the guess read is not this batch's: put LPA3Callback before the watcher")
                 right = guess[1].argmax(1).cpu() == clean[idx[~labeled]]
                 c["unl"] += float((~labeled).sum())
                 c["guess_right"] += float(right.sum())
@@ -87,12 +95,13 @@ def main() -> None:
 
         def on_train_epoch_end(self, trainer, pl_module):
             c = self.counts
+            was_training = pl_module.training
             pl_module.eval()
             correct = 0
             with torch.no_grad():
                 for x, y, _ in data.test_dataloader():
                     correct += int((pl_module(x).argmax(1) == y).sum())
-            pl_module.train()
+            pl_module.train(was_training)
             share = lambda a, b: f"{c[a] / c[b]:.3f}" if c[b] else "-"  # noqa: E731
             print(f"epoch {trainer.current_epoch:2d}: labeled clean {share('lab_clean', 'lab')}, guess right "
                   f"{share('guess_right', 'unl')}, x' label right {share('adv_right', 'adv')}, x' share "

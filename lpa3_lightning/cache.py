@@ -12,7 +12,8 @@ data sets); without a directory an over-large cache is refused with the fix. The
 store lives on ``device``: beside the model on a GPU, a reused ``x'`` is an index into device
 memory, with no host-to-device copy of the inputs (the entries' epochs and labels stay on the
 host, where the plan step reads them). When the GPU has less than twice the store free, it
-stays in host memory, with a warning. Each entry
+stays in host memory, with a warning; at the end of a fit the callback moves it there
+(:meth:`AugmentationCache.offload`). Each entry
 keeps the label it was solved for and is reused only for that label (pseudo-labels change
 between epochs). The in-memory store is checkpointed only when asked
 (``state_dict(include_inputs=True)``; it can be as large as ``max_bytes``); a file store never
@@ -89,13 +90,7 @@ class AugmentationCache:
         numel = self.num_samples * math.prod(sample_shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes <= self.max_bytes:
-            device = self.device
-            if device.type == "cuda" and 2 * nbytes > torch.cuda.mem_get_info(device)[0]:
-                warnings.warn(f"The x' cache ({nbytes / 2**20:.1f} MiB) would take more than half of the free memory "
-                              f"of {device}; it is kept in host memory instead (reuse then copies x' to the GPU).",
-                              stacklevel=3)
-                device = torch.device("cpu")
-            self.storage = torch.zeros((self.num_samples, *sample_shape), dtype=dtype, device=device)
+            self.storage = torch.zeros((self.num_samples, *sample_shape), dtype=dtype, device=self._place(nbytes))
             return
         if self.directory is None:
             raise ValueError(
@@ -108,6 +103,30 @@ class AugmentationCache:
         self.file = self.directory / f"lpa3_augmentation_cache_{os.getpid()}_{uuid.uuid4().hex[:8]}.bin"
         flat = torch.from_file(str(self.file), shared=True, size=numel, dtype=dtype)
         self.storage = flat.view(self.num_samples, *sample_shape)
+
+    def _place(self, nbytes: int) -> torch.device:
+        """Where an in-memory store of ``nbytes`` goes: ``device``, unless that is a GPU with less
+        than twice the store free. Free counts the driver's free memory and the blocks torch has
+        reserved but not used. The check runs at the first write, before the training step has
+        allocated its activations (and, at the start of a fit, the optimizer its state): the
+        factor two is the margin for them."""
+        device = self.device
+        if device.type != "cuda":
+            return device
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
+        if 2 * nbytes > free:
+            warnings.warn(f"The x' cache ({nbytes / 2**20:.1f} MiB) would take more than half of the free memory "
+                          f"of {device}; it is kept in host memory instead (reuse then copies x' to the GPU).",
+                          stacklevel=4)
+            return torch.device("cpu")
+        return device
+
+    def offload(self) -> None:
+        """Move an in-memory store to host memory (the callback does it at the end of a fit, so the
+        GPU memory is free for what follows; a checkpoint written then still holds the entries)."""
+        if self.storage is not None and self.file is None:
+            self.storage = self.storage.cpu()
 
     def _check_indices(self, indices: Tensor) -> Tensor:
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_samples):
@@ -134,7 +153,8 @@ class AugmentationCache:
         """The stored ``x'`` of ``indices``, on the store's device; only valid for entries reported fresh."""
         if self.storage is None:
             raise RuntimeError("The augmentation cache is empty.")
-        return self.storage[self._check_indices(indices).to(self.storage.device)]
+        self._check_indices(indices)
+        return self.storage[indices.to(self.storage.device).long()]
 
     def put(self, indices: Tensor, inputs: Tensor, labels: Tensor | None = None, *, epoch: int) -> None:
         """Store ``x'`` for ``indices`` as generated in ``epoch`` (for ``labels``, when given)."""
@@ -166,7 +186,7 @@ class AugmentationCache:
             "num_samples": self.num_samples,
             "written": self.written.clone() if saved else torch.full_like(self.written, -1),
             "labels": self.labels.clone() if saved else torch.full_like(self.labels, -1),
-            "storage": self.storage.cpu().clone() if saved else None,  # a checkpoint loads on any machine
+            "storage": self.storage.to("cpu", copy=True) if saved else None,  # a checkpoint loads on any machine
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -180,4 +200,6 @@ class AugmentationCache:
         # match, so those entries are regenerated
         self.labels = state.get("labels", torch.full_like(self.written, -1)).clone()
         if state.get("storage") is not None:
-            self.storage, self.file = state["storage"].to(self.device, copy=True), None
+            stored = state["storage"]
+            device = self._place(stored.numel() * stored.element_size())
+            self.storage, self.file = stored.to(device, copy=True), None

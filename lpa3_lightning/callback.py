@@ -442,6 +442,7 @@ class LPA3Callback(Callback):
                 anchor_twin_parameters(unwrap_compiled(model), False)
         if self.cache is not None:
             self.cache.close()
+            self.cache.offload()  # the GPU memory is free for what follows the fit
         self._pending = None
 
     def _resolve_range(self, trainer: pl.Trainer) -> InputRange:

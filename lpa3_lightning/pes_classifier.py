@@ -62,8 +62,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
             150 of 300; a negative value never switches).
         rampup_epochs: ramp length of the unlabeled weight (16).
         lpa3_mixup: mix the ``x'`` up with the labeled views (authors) or train them unmixed.
-        lpa3_confidence: attack only unlabeled rows whose sharpened guess is at least this sure
-            of its label (None: all, as the authors).
+        lpa3_confidence: attack only unlabeled rows whose sharpened guess (temperature 0.5) is
+            at least this sure of its label (None: all, as the authors).
         freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
         model: use this network instead of building ``arch``.
@@ -110,7 +110,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
                 raise ValueError(f"`{name}` must be > 0, got {value!r}.")
         if lambda_u < 0:
             raise ValueError(f"`lambda_u` must be >= 0, got {lambda_u!r}. Fix: use 150 (PES) or 25 (small sets).")
-        if lpa3_confidence is not None and (isinstance(lpa3_confidence, bool) or not 0 < lpa3_confidence <= 1):
+        if lpa3_confidence is not None and (isinstance(lpa3_confidence, bool) or not isinstance(
+                lpa3_confidence, (int, float)) or not 0 < lpa3_confidence <= 1):
             raise ValueError(f"`lpa3_confidence` must be None or in (0, 1], got {lpa3_confidence!r}. Fix: e.g. 0.9.")
         self.save_hyperparameters(ignore=["model"])
         self.automatic_optimization = False

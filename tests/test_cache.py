@@ -92,6 +92,8 @@ def test_bad_arguments(kwargs, match):
 def test_a_cache_larger_than_half_the_gpus_free_memory_stays_in_host_memory(monkeypatch):
     # the check runs before anything is allocated on the GPU, so it is testable without one
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100, 10_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     cache = AugmentationCache(10, 2, device="cuda")
     with pytest.warns(UserWarning, match="host memory"):
         cache.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)  # 160 bytes > 100 / 2 free

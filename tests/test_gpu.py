@@ -124,13 +124,19 @@ def test_cache_and_checkpoint_resume_on_gpu(tmp_path):
 def test_the_x_prime_cache_lives_beside_the_model_and_reuse_reads_it_there(tmp_path, on_device):
     pl.seed_everything(0)
     callback = LPA3Callback(ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2, cache_on_device=on_device)
-    trainer = _trainer(tmp_path, [callback], limit_train_batches=3)
+    during: dict[str, str] = {}
+
+    class Look(pl.Callback):  # the store and a read of it while the fit runs
+        def on_train_epoch_end(self, trainer, pl_module):
+            fresh = callback.cache.written >= 0
+            during["store"] = callback.cache.storage.device.type
+            during["read"] = callback.cache.get(fresh.nonzero().flatten()[:4].cuda()).device.type
+
+    trainer = _trainer(tmp_path, [callback, Look()], limit_train_batches=3)
     trainer.fit(LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2), datamodule=_breast())
     assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) > 0
-    assert callback.cache.storage.device.type == ("cuda" if on_device else "cpu")
-    fresh = callback.cache.written >= 0
-    got = callback.cache.get(fresh.nonzero().flatten()[:4].cuda())
-    assert got.device.type == ("cuda" if on_device else "cpu")  # the callback moves a host copy to the GPU
+    assert during == ({"store": "cuda", "read": "cuda"} if on_device else {"store": "cpu", "read": "cpu"})
+    assert callback.cache.storage.device.type == "cpu"  # offloaded at the end of the fit
 
 
 # ---------------------------------------------------------------- the sync-free path on the device

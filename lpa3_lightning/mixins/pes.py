@@ -27,7 +27,9 @@ the solver's cost for a second view of the same image); the ``x'`` go through th
 verified forward (see :mod:`lpa3_lightning.augmented_forward`), and ``lpa3/label_preserved`` is
 measured on the unmixed ``x'`` in that forward (a no-grad pass); the callback's TCS selection
 applies (the authors attack every unlabeled sample: ``ratio=1.0`` does the same);
-``pes_lpa3_mixup=False`` trains the unmixed ``x'`` against the guess instead. The TCS memory
+``pes_lpa3_mixup=False`` trains the unmixed ``x'`` against the guess instead;
+``pes_lpa3_confidence`` (ours, off by default) attacks only the unlabeled samples whose sharpened
+guess is sure enough. The TCS memory
 is fed by every row's logits in the first two phases and by the unlabeled rows' guessing
 forward after, so its threshold is over the whole training set (the labeled rows' scores keep
 their last value).
@@ -113,9 +115,11 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         pes_lpa3_mixup: True (authors): the ``x'`` are mixed up with the labeled views; False:
             the unmixed ``x'`` are trained against the guessed label.
         pes_lpa3_confidence: None (authors): every unlabeled row may be attacked; a number in
-            (0, 1]: only the rows whose sharpened guess gives its label at least this
-            probability (FixMatch + LP-A3's second threshold, carried over): an ``x'`` keeps its
-            guessed label, so a wrong guess becomes a hard positive of the wrong class.
+            (0, 1]: only the rows whose *sharpened* guess (temperature 0.5) gives its label at
+            least this probability (like FixMatch + LP-A3's second threshold, on a sharpened
+            distribution: 0.9 there is a raw top probability of about 0.75 between two classes):
+            an ``x'`` keeps its guessed label, so a wrong guess becomes a hard positive of the
+            wrong class.
     """
 
     pes_early_epochs: int = 20
@@ -276,10 +280,21 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         unlabeled = ~self._pes_split_rows(idx)
         guess = self.pes_guess(batch)
         x_u, idx_u = x1[unlabeled], idx[unlabeled]
-        if self.pes_lpa3_confidence is not None:  # only confident guesses are preserved
-            sure = (guess.max(1).values >= self.pes_lpa3_confidence).to(x_u.device)
-            x_u, idx_u, guess = x_u[sure], idx_u[sure], guess[sure]
+        sure = self._pes_sure(guess)
+        if sure is not None:  # only confident guesses are preserved
+            x_u, idx_u, guess = x_u[sure.to(x_u.device)], idx_u[sure.to(idx_u.device)], guess[sure]
         return LPA3Request(inputs=x_u, targets=guess.argmax(1), indices=idx_u)
+
+    def _pes_sure(self, guess: Tensor) -> Tensor | None:
+        """The unlabeled rows offered to the attack (``pes_lpa3_confidence``), None for all: the
+        request and the loss pick the same rows of the guess with it."""
+        confidence = self.pes_lpa3_confidence
+        if confidence is None:
+            return None
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence <= 1:
+            raise ValueError(f"`pes_lpa3_confidence` must be None or a number in (0, 1], got {confidence!r}. "
+                             "Fix: e.g. 0.9 (on the sharpened guess).")
+        return guess.max(1).values >= confidence
 
     # ------------------------------------------------------------------ loss
     def pes_loss(self, batch: Any, batch_idx: int = 0, batches_per_epoch: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
@@ -328,7 +343,9 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         loss_a, num_aug = zero, 0
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
-            target_adv = guess.index_select(0, augmented.positions().to(guess.device))
+            sure = self._pes_sure(guess)  # the x' rows are positions among the rows offered to the attack
+            offered = guess if sure is None else guess[sure]
+            target_adv = offered.index_select(0, augmented.positions().to(guess.device))
             loss_a = augmented_mixmatch_loss(self, augmented, target_adv, torch.cat([x1[labeled], x2[labeled]]),
                                              torch.cat([one_hot, one_hot]), lam, mix=self.pes_lpa3_mixup)
             num_aug = len(augmented)

@@ -168,6 +168,39 @@ def test_the_request_holds_the_unlabeled_rows_whose_guess_is_sure_enough(thresho
     assert torch.equal(request.inputs, x1[10:][keep])
 
 
+def test_with_a_confidence_each_x_prime_is_trained_against_its_own_rows_guess(monkeypatch):
+    import lpa3_lightning.mixins.pes as pes_module
+    from lpa3_lightning.augmented import AugmentedBatch
+
+    torch.manual_seed(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
+                           refine_epochs=0)
+    module.pes_current_epoch = lambda: 1  # type: ignore[method-assign]
+    batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
+    labeled = torch.zeros(48, dtype=torch.bool)
+    labeled[batch[3][:10]] = True
+    module._pes_labeled, module._pes_class_weights = labeled, torch.ones(NUM_CLASSES)
+    guess = module.pes_guess(batch).clone()  # the step's guess (forwarded once, reused by the loss)
+    sure = guess.max(1).values
+    module.pes_lpa3_confidence = float(sure.median())
+    request = module.lpa3_request(batch)
+    mask = torch.zeros(len(request.indices), dtype=torch.bool)
+    mask[1::2] = True  # the callback picked every other offered row
+    module.lpa3_set_augmented(AugmentedBatch(inputs=request.inputs[mask], targets=request.targets[mask],
+                                             indices=request.indices[mask], mask=mask))
+    seen = {}
+
+    def capture(module_, augmented, target_adv, *args, **kwargs):
+        seen["target"] = target_adv
+        return torch.zeros(())
+
+    monkeypatch.setattr(pes_module, "augmented_mixmatch_loss", capture)
+    module.pes_loss(batch)
+    offered = sure >= module.pes_lpa3_confidence
+    assert torch.equal(seen["target"].argmax(1), request.targets[mask])  # each x' with the label it kept
+    assert torch.equal(seen["target"], guess[offered][mask])
+
+
 def test_a_confidence_outside_0_1_is_refused():
     with pytest.raises(ValueError, match="lpa3_confidence"):
         PESClassifier(num_classes=NUM_CLASSES, num_samples=48, lpa3_confidence=1.5)
