@@ -14,7 +14,7 @@ from lpa3_lightning.classifier import check_datamodule_agrees
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.fixmatch_classifier import build_ssl_backbone
 from lpa3_lightning.mixins.base import split_indexed_batch
-from lpa3_lightning.mixins.pes import PESLPA3Mixin
+from lpa3_lightning.mixins.pes import PESLPA3Mixin, check_lpa3_confidence
 from lpa3_lightning.noisy_training import (
     adopt_training_set_size,
     anchor_twins_without_callback,
@@ -110,9 +110,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
                 raise ValueError(f"`{name}` must be > 0, got {value!r}.")
         if lambda_u < 0:
             raise ValueError(f"`lambda_u` must be >= 0, got {lambda_u!r}. Fix: use 150 (PES) or 25 (small sets).")
-        if lpa3_confidence is not None and (isinstance(lpa3_confidence, bool) or not isinstance(
-                lpa3_confidence, (int, float)) or not 0 < lpa3_confidence <= 1):
-            raise ValueError(f"`lpa3_confidence` must be None or in (0, 1], got {lpa3_confidence!r}. Fix: e.g. 0.9.")
+        check_lpa3_confidence(lpa3_confidence)
         self.save_hyperparameters(ignore=["model"])
         self.automatic_optimization = False
         net = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)

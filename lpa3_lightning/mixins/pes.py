@@ -74,6 +74,15 @@ __all__ = ["PESLPA3Mixin", "split_two_view_batch"]
 PESPhase = Literal["early", "refine", "semi"]
 
 
+def check_lpa3_confidence(confidence: float | None, name: str = "lpa3_confidence") -> float | None:
+    """Validate PES's ``x'`` confidence threshold (None, or a number in (0, 1]), returning it."""
+    if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
+                                   or not 0 < confidence <= 1):
+        raise ValueError(f"`{name}` must be None or a number in (0, 1], got {confidence!r}. "
+                         "Fix: e.g. 0.9 (on the sharpened guess).")
+    return confidence
+
+
 def split_two_view_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(x_view1, x_view2, noisy_labels, indices)`` of a noisy-label training batch.
 
@@ -288,13 +297,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     def _pes_sure(self, guess: Tensor) -> Tensor | None:
         """The unlabeled rows offered to the attack (``pes_lpa3_confidence``), None for all: the
         request and the loss pick the same rows of the guess with it."""
-        confidence = self.pes_lpa3_confidence
-        if confidence is None:
-            return None
-        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence <= 1:
-            raise ValueError(f"`pes_lpa3_confidence` must be None or a number in (0, 1], got {confidence!r}. "
-                             "Fix: e.g. 0.9 (on the sharpened guess).")
-        return guess.max(1).values >= confidence
+        confidence = check_lpa3_confidence(self.pes_lpa3_confidence, "pes_lpa3_confidence")
+        return None if confidence is None else guess.max(1).values >= confidence
 
     # ------------------------------------------------------------------ loss
     def pes_loss(self, batch: Any, batch_idx: int = 0, batches_per_epoch: int = 1) -> tuple[Tensor, dict[str, Tensor]]:

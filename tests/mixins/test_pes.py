@@ -142,17 +142,23 @@ def test_loss_terms_in_the_early_and_semi_phases():
     assert float(parts["labeled_share"]) == pytest.approx(10 / 24)
 
 
-@pytest.mark.parametrize("threshold", [False, True])
-def test_the_request_holds_the_unlabeled_rows_whose_guess_is_sure_enough(threshold):
+def _semi_phase_module_and_batch() -> tuple[PESClassifier, list]:
+    """A PES module in its semi phase (epoch 1) on a 24-row batch whose first 10 rows are labeled."""
     torch.manual_seed(0)
     module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
                            refine_epochs=0)
     module.pes_current_epoch = lambda: 1  # type: ignore[method-assign]
     batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
-    x1, x2, _, idx = batch
     labeled = torch.zeros(48, dtype=torch.bool)
-    labeled[idx[:10]] = True
+    labeled[batch[3][:10]] = True
     module._pes_labeled, module._pes_class_weights = labeled, torch.ones(NUM_CLASSES)
+    return module, batch
+
+
+@pytest.mark.parametrize("threshold", [False, True])
+def test_the_request_holds_the_unlabeled_rows_whose_guess_is_sure_enough(threshold):
+    module, batch = _semi_phase_module_and_batch()
+    x1, x2, _, idx = batch
     # independently: the sharpened mean of both views' predictions, the unlabeled rows only
     with torch.no_grad():  # one forward of both views (train-mode BatchNorm: batch statistics of the 28 rows)
         p1, p2 = torch.softmax(module.model(torch.cat([x1[10:], x2[10:]])), 1).chunk(2)
@@ -172,14 +178,7 @@ def test_with_a_confidence_each_x_prime_is_trained_against_its_own_rows_guess(mo
     import lpa3_lightning.mixins.pes as pes_module
     from lpa3_lightning.augmented import AugmentedBatch
 
-    torch.manual_seed(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
-                           refine_epochs=0)
-    module.pes_current_epoch = lambda: 1  # type: ignore[method-assign]
-    batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
-    labeled = torch.zeros(48, dtype=torch.bool)
-    labeled[batch[3][:10]] = True
-    module._pes_labeled, module._pes_class_weights = labeled, torch.ones(NUM_CLASSES)
+    module, batch = _semi_phase_module_and_batch()
     guess = module.pes_guess(batch).clone()  # the step's guess (forwarded once, reused by the loss)
     sure = guess.max(1).values
     module.pes_lpa3_confidence = float(sure.median())
