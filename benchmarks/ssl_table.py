@@ -34,6 +34,75 @@ def result_path(out: Path, source: str, labels: int, method: str, seed: int, ste
     return out / f"{source}_{labels}_{method}{cache}_s{steps}_seed{seed}.json"
 
 
+class PseudoLabelTally:
+    """How right the labels that train the unlabeled images are, against the true labels.
+
+    Measurement only (the unlabeled set of MNIST-5k and MedMNIST has its true labels; they never
+    reach the training step): it records the pseudo-labels and confidences that the module's
+    FixMatch loss computed from its weak forward, and the ``x'`` the loss took from the callback,
+    by wrapping two of the module's methods without changing what they return. Per interval:
+    ``mask_rate`` (pseudo-labels >= 0.95, FixMatch's term), ``masked_acc`` (their accuracy),
+    ``xprime_per_step`` (``x'`` trained per step), ``xprime_kept_rate`` (share with confidence
+    >= 0.9, the LP-A3 term's threshold), ``xprime_kept_acc`` (accuracy of the labels those kept
+    ``x'`` were solved for and trained with).
+    """
+
+    def __init__(self, module, true_labels) -> None:
+        import torch
+
+        self.true_labels = torch.as_tensor(true_labels)
+        self.module = module
+        self.seen: dict = {}
+        self.totals = dict.fromkeys(("steps", "unlabeled", "masked", "masked_right", "xprime", "kept", "kept_right"), 0)
+        pseudo_labels, take_augmented = module._pseudo_labels, module.lpa3_take_augmented
+
+        def recording_pseudo_labels(weak_logits):
+            confidence, pseudo = pseudo_labels(weak_logits)
+            self.seen["pseudo"] = (confidence.detach(), pseudo.detach())  # the last call: the loss's
+            return confidence, pseudo
+
+        def recording_take_augmented():
+            augmented = take_augmented()
+            self.seen["augmented"] = augmented
+            return augmented
+
+        module._pseudo_labels = recording_pseudo_labels
+        module.lpa3_take_augmented = recording_take_augmented
+
+    def count(self, batch) -> None:
+        from lpa3_lightning.mixins.fixmatch import split_semi_supervised_batch
+
+        if "pseudo" not in self.seen:
+            return
+        confidence, pseudo = self.seen.pop("pseudo")
+        truth = self.true_labels[split_semi_supervised_batch(batch)[5].cpu()]
+        right = pseudo.cpu() == truth
+        masked = confidence.cpu() >= self.module.fixmatch_threshold
+        t = self.totals
+        t["steps"] += 1
+        t["unlabeled"] += len(truth)
+        t["masked"] += int(masked.sum())
+        t["masked_right"] += int((masked & right).sum())
+        augmented = self.seen.pop("augmented", None)
+        if augmented is not None and len(augmented):
+            positions = augmented.positions().cpu()
+            kept = confidence.cpu()[positions] >= self.module.lpa3_confidence_threshold
+            t["xprime"] += len(augmented)
+            t["kept"] += int(kept.sum())
+            t["kept_right"] += int((kept & (augmented.targets.cpu() == truth[positions])).sum())
+
+    def interval(self) -> dict:
+        """The rates since the last call (None where nothing was counted), and a fresh tally."""
+        t, self.totals = self.totals, dict.fromkeys(self.totals, 0)
+
+        def rate(num: str, den: str):
+            return round(t[num] / t[den], 4) if t[den] else None
+
+        return {"mask_rate": rate("masked", "unlabeled"), "masked_acc": rate("masked_right", "masked"),
+                "xprime_per_step": round(t["xprime"] / t["steps"], 1) if t["steps"] else None,
+                "xprime_kept_rate": rate("kept", "xprime"), "xprime_kept_acc": rate("kept_right", "kept")}
+
+
 def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every: int, out: Path, root: str | None,
         lpa3_warmup: int, regenerate: int, num_workers: int = 0) -> dict:
     import lightning.pytorch as pl
@@ -55,6 +124,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     module = FixMatchClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
                                 lpa3_loss_warmup_epochs=lpa3_warmup)
     ema = EMAWeightAveraging(decay=0.999)
+    pseudo_labels = PseudoLabelTally(module, data.train_base.labels)
 
     class Curve(Callback):
         """EMA test accuracy every ``eval_every`` optimizer steps, with the training wall time."""
@@ -68,13 +138,14 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.seconds += time.perf_counter() - self._start
+            pseudo_labels.count(batch)  # after the timer: measurement, not training
             step = trainer.global_step
             if step % eval_every == 0 or step == steps:
                 ema_model = ema._average_model.module.model if ema._average_model is not None else pl_module.model
                 # the EMA weights (what FixMatch reports) and the raw weights (informative on
                 # short runs, where an EMA of 0.999 still carries the first steps' weights)
                 self.rows.append({"step": step, "train_seconds": self.seconds, "test_acc": self._accuracy(ema_model),
-                                  "raw_test_acc": self._accuracy(pl_module.model)})
+                                  "raw_test_acc": self._accuracy(pl_module.model), **pseudo_labels.interval()})
 
         @staticmethod
         def _accuracy(model: torch.nn.Module) -> float:
