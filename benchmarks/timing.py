@@ -27,12 +27,14 @@ def sync(device) -> None:
 class StepTimer(Callback):
     """Wall time of every training step (``on_train_batch_start`` to ``on_train_batch_end``, so the
     LP-A3 callback's work in between is inside when this callback is registered first) and of every
-    epoch, and the callback's ``lpa3/reused_fraction_epoch`` per epoch."""
+    epoch, and the callback's ``lpa3/reused_fraction_epoch`` (``reused``) and
+    ``lpa3/selected_fraction_epoch`` (``solved``: the share of the batch given an ``x'``) per epoch."""
 
     def __init__(self) -> None:
         self.steps: dict[int, list[float]] = {}
         self.epochs: dict[int, float] = {}
         self.reused: dict[int, float] = {}
+        self.solved: dict[int, float] = {}
 
     def on_train_epoch_start(self, trainer, pl_module):
         self._epoch_start = time.perf_counter()
@@ -48,9 +50,10 @@ class StepTimer(Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         sync(pl_module.device)
         self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
-        reused = trainer.callback_metrics.get("lpa3/reused_fraction_epoch")
-        if reused is not None:
-            self.reused[trainer.current_epoch] = float(reused)
+        for name, record in (("reused", self.reused), ("selected", self.solved)):
+            value = trainer.callback_metrics.get(f"lpa3/{name}_fraction_epoch")
+            if value is not None:
+                record[trainer.current_epoch] = float(value)
 
 
 def mean_std(values: Sequence[float]) -> str:

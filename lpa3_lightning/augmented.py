@@ -40,11 +40,20 @@ class LPA3Request:
         inputs: ``(B, ...)`` inputs in the space the model takes.
         targets: ``(B,)`` labels to preserve (true labels or pseudo-labels).
         indices: ``(B,)`` dataset indices (the key of the TCS memory).
+        train_mask: optional ``(B,)`` bool: the rows whose ``x'`` the module's loss will weigh
+            above zero (FixMatch: pseudo-label confidence >= its second threshold, and only
+            after its loss warm-up). A selected row outside it is not solved: it is counted in
+            ``AugmentedBatch.skipped`` (for the loss's denominator) and its clean input still
+            sets the twin statistics, so the loss is the one of solving every selected row, at
+            the cost of the trained rows only. A hint, not a filter the loss may rely on: the
+            sync-free path (``LPA3Callback(sync_free=True)``) solves every selected row, because
+            which rows qualify is a device value. None (default): every selected row is solved.
     """
 
     inputs: Tensor
     targets: Tensor
     indices: Tensor
+    train_mask: Tensor | None = None
 
 
 @dataclass
@@ -68,6 +77,9 @@ class AugmentedBatch:
             solver froze; the training forward recomputes the statistics from them.
         network: the network the ``x'`` were solved on, for a module with several
             (:meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_networks`); None for one.
+        skipped: how many selected rows were not solved because the request's ``train_mask``
+            left them out; ``M + skipped`` is the number TCS selected (after its filters), the
+            denominator of a loss averaged over the selected rows as the authors average it.
     """
 
     inputs: Tensor
@@ -81,6 +93,7 @@ class AugmentedBatch:
     allow_tf32: bool = False
     reference_inputs: Tensor | None = None
     network: str | None = None
+    skipped: int = 0
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])

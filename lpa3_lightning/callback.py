@@ -41,8 +41,8 @@ _NETWORK_SEED_STRIDE = 7919  # seed offset between the networks of a module with
 _STATE_VERSION = 3  # 2 added the x' cache, the global RNG and the per-epoch update record; 3 the cache's labels
 
 #: Per-epoch diagnostics, each a torchmetrics aggregate synced across processes at epoch end.
-_EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "reused_fraction", "perceptual_distance",
-                "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
+_EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "skipped_fraction", "reused_fraction",
+                "perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
 
 
 def _global_rng_state() -> dict[str, Any]:
@@ -79,7 +79,8 @@ class LPA3Callback(Callback):
     ``lpa3/projected`` (fraction pulled back by the bisection), ``lpa3/solver_seconds``,
     ``lpa3/reused_fraction`` (with a cache), ``lpa3/tcs_selected_fraction`` (the share TCS
     selected, before a lone sample or, with ``attack_new_selections=False``, an uncached one is
-    left out); per epoch ``lpa3/threshold``, ``lpa3/nonfinite_inputs`` and
+    left out), ``lpa3/skipped_fraction`` (the share selected but not solved because the
+    request's ``train_mask`` says the module will not train their ``x'``); per epoch ``lpa3/threshold``, ``lpa3/nonfinite_inputs`` and
     ``lpa3/nonfinite_predictions``.
 
     Args:
@@ -661,6 +662,13 @@ class LPA3Callback(Callback):
                 "dataset index per sample."
             )
         check_dataset_indices(request.indices, num_samples, name="LPA3Request.indices", values=values)
+        train_mask = request.train_mask
+        if train_mask is not None and (not isinstance(train_mask, Tensor) or train_mask.dtype != torch.bool
+                                       or train_mask.shape != (n,)):
+            what = (f"dtype {train_mask.dtype} and shape {tuple(train_mask.shape)}" if isinstance(train_mask, Tensor)
+                    else type(train_mask).__name__)
+            raise ValueError(f"LPA3Request.train_mask must be a bool tensor of shape ({n},) (one flag per input), got "
+                             f"{what}. Fix: pass e.g. `confidence >= threshold`, or None to solve every selected row.")
         check_class_labels(request.targets, num_classes, name="LPA3Request.targets", values=values)
 
     def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
@@ -680,11 +688,21 @@ class LPA3Callback(Callback):
             mask[mask.nonzero().flatten()[~plan.keep]] = False
             x, y, idx = x[plan.keep], y[plan.keep], idx[plan.keep]
         reuse, solve = plan.reuse[plan.keep], plan.solve[plan.keep]
-        model, bn_mode = self._attack_model(pl_module, x)
+        # the clean selected rows set the twin statistics (and the training forward's), whether or not
+        # the module trains their x'; rows it will not train (request.train_mask) are not solved
+        reference_x, reference_y, skipped = x, y, 0
+        trained = None if request.train_mask is None else request.train_mask.to(mask.device)[mask]
+        if trained is not None and not bool(trained.all()):
+            skipped = int((~trained).sum())
+            mask = mask.clone()
+            mask[mask.nonzero().flatten()[~trained]] = False
+            x, y, idx, reuse, solve = x[trained], y[trained], idx[trained], reuse[trained], solve[trained]
+        model, bn_mode = self._attack_model(pl_module, reference_x)
         stats, twin_statistics, bn_statistics = None, None, None
         self._last_solver_seconds = 0.0
         if x.shape[0]:
-            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, x, y, bn_mode)
+            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, reference_x, reference_y,
+                                                                     bn_mode, trained if skipped else None)
         solved = x[solve]
         if solved.shape[0]:
             solved, stats = self._attack(pl_module, model, solved, y[solve], bn_mode, twin_statistics)
@@ -697,7 +715,7 @@ class LPA3Callback(Callback):
         augmented = AugmentedBatch(
             inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=int(reuse.sum()), bn_mode=bn_mode,
             bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
-            reference_inputs=x.detach() if bn_mode == "twin" and x.shape[0] else None)
+            reference_inputs=reference_x.detach() if bn_mode == "twin" and x.shape[0] else None, skipped=skipped)
         return augmented, new_rows
 
     def _augment_uncached(self, pl_module: pl.LightningModule, request: LPA3Request, mask: Tensor,
@@ -733,15 +751,16 @@ class LPA3Callback(Callback):
         return model, self._bn_mode(model)
 
     def _reference_forward(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor,
-                           bn_mode: str) -> tuple[Any, Any]:
+                           bn_mode: str, trained: Tensor | None = None) -> tuple[Any, Any]:
         """The clean ``log p(y|x)`` of the selected rows under the normalisation that the solver
-        checks and the training forward of x' uses (kept to measure ``lpa3/label_preserved`` after
-        the step). Returns the twin BatchNorms' batch statistics of these clean rows (captured here
-        and frozen; None without twins) and the statistics x' is trained under."""
+        checks and the training forward of x' uses (kept, for the rows ``trained`` or all, to
+        measure ``lpa3/label_preserved`` after the step). Returns the twin BatchNorms' batch
+        statistics of all these clean rows (captured here and frozen; None without twins) and the
+        statistics x' is trained under."""
         reference, twin_statistics = label_log_prob(
             model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
             temperature=self.temperature, allow_tf32=self.allow_tf32)
-        self._pending = (reference, y)
+        self._pending = (reference, y) if trained is None else (reference[trained], y[trained])
         return twin_statistics, twin_statistics if bn_mode == "twin" else running_statistics(model)
 
     def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
@@ -836,6 +855,7 @@ class LPA3Callback(Callback):
         n = request.inputs.shape[0]
         self._log_mean(pl_module, "selected_fraction", len(augmented) / max(n, 1), n)
         self._log_mean(pl_module, "tcs_selected_fraction", tcs_selected / max(n, 1), n)
+        self._log_mean(pl_module, "skipped_fraction", augmented.skipped / max(n, 1), n)
         self._nonfinite_inputs_metric.update(torch.full((), float(self._nonfinite), device=pl_module.device))
         pl_module.log(f"{self._log_prefix}nonfinite_inputs", self._nonfinite_inputs_metric, on_step=False,
                       on_epoch=True, metric_attribute=f"{self._metric_prefix}nonfinite_inputs")

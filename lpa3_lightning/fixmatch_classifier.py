@@ -71,6 +71,9 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         lpa3_weight: weight of the LP-A3 term (1).
         lpa3_loss_warmup_epochs: passes over the unlabeled set before the LP-A3 term counts
             (the authors: after 5 x 1024 steps; see ``configs/ssl/make_configs.py``).
+        lpa3_solve_trained_only: let the callback solve only the ``x'`` the LP-A3 term will weigh
+            (True, the same loss at a fraction of the solver's cost; False: the authors' cost,
+            every selected row solved). See :class:`~lpa3_lightning.mixins.FixMatchLPA3Mixin`.
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
         model: use this network instead of building ``arch``.
 
@@ -93,6 +96,7 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         lpa3_confidence_threshold: float = 0.9,
         lpa3_weight: float = 1.0,
         lpa3_loss_warmup_epochs: int = 5,
+        lpa3_solve_trained_only: bool = True,
         twin_bn: bool = True,
         model: nn.Module | None = None,
     ) -> None:
@@ -107,6 +111,9 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         if isinstance(lpa3_loss_warmup_epochs, bool) or not isinstance(lpa3_loss_warmup_epochs, int) \
                 or lpa3_loss_warmup_epochs < 0:
             raise ValueError(f"`lpa3_loss_warmup_epochs` must be an int >= 0, got {lpa3_loss_warmup_epochs!r}.")
+        if not isinstance(lpa3_solve_trained_only, bool):
+            raise ValueError(f"`lpa3_solve_trained_only` must be True or False, got {lpa3_solve_trained_only!r}. "
+                             "Fix: use True (the same loss, less solver work) or False (the authors' cost).")
         self.save_hyperparameters(ignore=["model"])
         self.model = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
         if twin_bn:
@@ -117,6 +124,7 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         self.lpa3_confidence_threshold = lpa3_confidence_threshold
         self.lpa3_weight = lpa3_weight
         self.lpa3_loss_warmup_epochs = lpa3_loss_warmup_epochs
+        self.lpa3_solve_trained_only = lpa3_solve_trained_only
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 

@@ -148,7 +148,7 @@ def main(out: Path, mode: str) -> None:
     if mode == "fixmatch":
         from tests.mixins.test_fixmatch import UserFixMatch, _loaders
 
-        module = UserFixMatch(num_unlabeled=64)
+        module = UserFixMatch(num_unlabeled=64, confidence=0.4)
         callback = Recording(ratio=0.5, steps=2, seed=0, input_range=None)
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=2, callbacks=[callback],
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -31,8 +31,11 @@ def _net() -> nn.Module:
 class UserFixMatch(FixMatchLPA3Mixin, pl.LightningModule):
     """A FixMatch module written by a user: the mixin's loss, their own network and optimizer."""
 
-    def __init__(self, num_unlabeled: int, loss_warmup: int = 0) -> None:
+    def __init__(self, num_unlabeled: int, loss_warmup: int = 0, confidence: float = 0.9) -> None:
         super().__init__()
+        # the fits below use 0.4: an untrained 3-class network reaches 0.9 on no row, and the
+        # callback solves only the rows the loss will weigh (lpa3_solve_trained_only)
+        self.lpa3_confidence_threshold = confidence
         self.net = convert_dual_bn(_net())
         self.lpa3_num_classes = NUM_CLASSES
         self.lpa3_num_samples = num_unlabeled
@@ -156,7 +159,7 @@ def test_a_batch_of_another_layout_is_refused_with_the_fix():
 # ------------------------------------------------------------------ a fit with the callback
 def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_weak_view_once(tmp_path):
     pl.seed_everything(0)
-    module = UserFixMatch(num_unlabeled=64)
+    module = UserFixMatch(num_unlabeled=64, confidence=0.4)
     weak_forwards: list[int] = []
     steps: list[int] = []
 
@@ -199,7 +202,7 @@ def test_without_the_callback_it_is_plain_fixmatch(tmp_path):
 def test_a_cached_x_prime_is_reused_only_for_its_pseudo_label(tmp_path):
     """Pseudo-labels change between epochs: a cached x' solved for another label is solved again."""
     pl.seed_everything(0)
-    module = UserFixMatch(num_unlabeled=64)
+    module = UserFixMatch(num_unlabeled=64, confidence=0.4)
     callback = LPA3Callback(ratio=1.0, steps=1, seed=0, input_range=None, regenerate_every_n_epochs=3)
     _trainer(tmp_path, [callback], max_epochs=2).fit(module, _loaders())
     cache = callback.cache
@@ -219,7 +222,7 @@ def test_labels_out_of_range_are_refused_by_name():
 
 def test_bf16_mixed_fit_keeps_the_pseudo_label_as_trained(tmp_path):
     pl.seed_everything(0)
-    module = UserFixMatch(num_unlabeled=64)
+    module = UserFixMatch(num_unlabeled=64, confidence=0.4)
     callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=2, seed=0, input_range=None)
     trainer = _trainer(tmp_path, [callback], max_epochs=2, precision="bf16-mixed")
     trainer.fit(module, _loaders())
@@ -249,3 +252,104 @@ def test_a_sync_free_fixmatch_step_makes_at_most_one_host_read_more_than_plain_f
         totals[name] = count.counter
     assert float(module.parts[5]["num_augmented"]) > 1  # the counted step (epoch 1, batch 1) trained on x'
     assert totals["sync_free"].total - totals["plain"].total <= 1, dict(totals["sync_free"].sites)
+
+
+# ------------------------------------------------------------------ solving only the x' the loss weighs
+def test_skipped_rows_count_in_the_lpa3_term_as_zero_weighted_x_prime():
+    """A selected row left unsolved (train_mask) weighs as the authors' zeroed x' would: in the denominator."""
+    from lpa3_lightning.augmented_forward import running_statistics
+
+    module = UserFixMatch(num_unlabeled=10)
+    module.eval()
+    batch = _tiny_batch()
+    _, _, _, weak, _, _ = split_semi_supervised_batch(batch)
+    probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
+    x_adv = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    statistics = running_statistics(module.net)
+    every_selected = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1, 2]), indices=torch.tensor([5, 6, 8]),
+                                    mask=torch.tensor([True, True, False, True]), bn_mode="eval",
+                                    bn_statistics=statistics)
+    # the same selection with row 6 (confidence 0.89 < 0.9) left unsolved
+    trained_only = AugmentedBatch(inputs=x_adv[[0, 2]], targets=torch.tensor([0, 2]), indices=torch.tensor([5, 8]),
+                                  mask=torch.tensor([True, False, False, True]), bn_mode="eval",
+                                  bn_statistics=statistics, skipped=1)
+    parts = {}
+    for name, augmented in (("every", every_selected), ("trained", trained_only)):
+        module._fixmatch_weak = (weak, probs.log())
+        module.lpa3_set_augmented(augmented)
+        parts[name] = module.fixmatch_loss(batch)[1]
+    with torch.no_grad():
+        ce = F.cross_entropy(module.net(x_adv), every_selected.targets, reduction="none")
+    torch.testing.assert_close(parts["every"]["loss_lpa3"], (ce[0] + ce[2]) / 3, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(parts["trained"]["loss_lpa3"], parts["every"]["loss_lpa3"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(parts["trained"]["lpa3_kept_rate"], parts["every"]["lpa3_kept_rate"])
+
+
+def test_the_request_marks_the_rows_the_loss_will_train():
+    module = UserFixMatch(num_unlabeled=10, loss_warmup=1)
+    batch = _tiny_batch()
+    _, _, _, weak, _, _ = split_semi_supervised_batch(batch)
+    probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
+
+    class FakeTrainer:
+        current_epoch = 0
+
+    module._trainer = FakeTrainer()  # type: ignore[assignment]
+    module._fixmatch_weak = (weak, probs.log())
+    assert module.lpa3_request(batch).train_mask.tolist() == [False] * 4  # the LP-A3 term is still warming up
+    FakeTrainer.current_epoch = 1
+    assert module.lpa3_request(batch).train_mask.tolist() == [True, False, False, True]  # confidence >= 0.9
+    module.lpa3_solve_trained_only = False
+    assert module.lpa3_request(batch).train_mask is None  # the authors' cost: every selected row solved
+
+
+def _deterministic_solver(calls: list[int]):
+    """A stand-in for the solver whose x' depends on each row alone (no noise draw), counting rows."""
+    from lpa3_lightning.attack import AttackStats
+
+    def solve(model, x, y, **kwargs):
+        calls.append(int(x.shape[0]))
+        x_adv = x + 0.1 * torch.tanh(3 * x)
+        zeros = torch.zeros(x.shape[0])
+        stats = AttackStats(zeros, zeros, zeros.bool(), zeros.bool(), zeros)
+        return (x_adv, stats) if kwargs.get("return_stats") else x_adv
+
+    return solve
+
+
+def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(tmp_path, monkeypatch):
+    """The same fit twice, the solver made row-deterministic: step by step the same LP-A3 term
+    (twin statistics from every selected clean row, the skipped rows in the denominator), fewer rows solved."""
+    runs = {}
+    for solve_trained_only in (False, True):
+        calls: list[int] = []
+        monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", _deterministic_solver(calls))
+        pl.seed_everything(0)
+        module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.7)  # some rows pass, some do not
+        module.lpa3_solve_trained_only = solve_trained_only
+        callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None)
+        _trainer(tmp_path, [callback], max_epochs=3).fit(module, _loaders())
+        runs[solve_trained_only] = (module.parts, calls)
+    (authors, authors_calls), (trained, trained_calls) = runs[False], runs[True]
+    assert len(authors) == len(trained) == 12
+    for a, t in zip(authors, trained):
+        assert t["loss_lpa3"] == pytest.approx(a["loss_lpa3"], rel=1e-4, abs=1e-6)
+        assert t["lpa3_kept_rate"] == pytest.approx(a["lpa3_kept_rate"], rel=1e-5, abs=1e-6)
+    assert any(a["loss_lpa3"] > 0 for a in authors)  # the term trained
+    assert any(0 < a["lpa3_kept_rate"] < 1 for a in authors)  # and some selected rows were below the threshold
+    # epoch 1 on (epoch 0: the callback's warm-up); in epoch 1 the authors solve rows the loss still ignores
+    assert sum(trained_calls) < sum(authors_calls)
+
+
+def test_a_train_mask_of_the_wrong_kind_is_refused_by_name(tmp_path):
+    class BadMask(UserFixMatch):
+        def lpa3_request(self, batch):
+            request = super().lpa3_request(batch)
+            request.train_mask = request.train_mask.float() if request.train_mask is not None else None
+            return request
+
+    pl.seed_everything(0)
+    module = BadMask(num_unlabeled=64)
+    with pytest.raises(ValueError, match="train_mask must be a bool tensor"):
+        _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=None)], max_epochs=2).fit(
+            module, _loaders())
