@@ -690,8 +690,11 @@ class LPA3Callback(Callback):
         reuse, solve = plan.reuse[plan.keep], plan.solve[plan.keep]
         # the clean selected rows set the twin statistics (and the training forward's), whether or not
         # the module trains their x'; rows it will not train (request.train_mask) are not solved
+        # With a cache every selected row is solved: a row skipped now could not be reused in a
+        # later epoch where the module trains it, which would change that epoch's loss.
         reference_x, reference_y, skipped = x, y, 0
-        trained = None if request.train_mask is None else request.train_mask.to(mask.device)[mask]
+        trained = None if request.train_mask is None or self.cache is not None \
+            else request.train_mask.to(mask.device)[mask]
         if trained is not None and not bool(trained.all()):
             skipped = int((~trained).sum())
             mask = mask.clone()

@@ -89,8 +89,9 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
             selected row and zero the rest in the loss; here the skipped rows still count in the
             loss's denominator and their clean inputs still set the twin statistics, so the loss
             is theirs (each ``x'`` from another draw of the solver's initial noise), while the
-            solver's work shrinks to the confident share (a fifth to a half of the selected rows
-            in the first hundreds of steps on MNIST-5k with 10 labels). False: the authors' cost.
+            solver's work shrinks to the confident share (``benchmarks/fixmatch_step.py`` prints
+            it). Applies with ``lpa3_train_forward="verified"`` (the default) and without the
+            callback's cache; otherwise every selected row is solved. False: the authors' cost.
         lpa3_num_samples: size of the unlabeled set (the TCS memory's), e.g. the datamodule's
             ``num_unlabeled``; the callback reads it when its ``num_samples`` is None.
     """
@@ -111,10 +112,15 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         return x_weak, self._pseudo_labels(self.fixmatch_weak_logits(batch))[1], idx
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
-        _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
-        confidence, pseudo = self._pseudo_labels(self.fixmatch_weak_logits(batch))
+        x_weak, pseudo, idx = self.lpa3_split_batch(batch)
+        if not isinstance(self.lpa3_solve_trained_only, bool):
+            raise ValueError(f"`lpa3_solve_trained_only` must be True or False, got {self.lpa3_solve_trained_only!r}. "
+                             "Fix: use True (the same loss, less solver work) or False (the authors' cost).")
         train_mask = None
-        if self.lpa3_solve_trained_only:  # the x' that fixmatch_loss will weigh above zero
+        # the x' that fixmatch_loss will weigh above zero; under the authors' "batch_stats" forward
+        # the x' batch's own statistics depend on every solved row, so all are solved there
+        if self.lpa3_solve_trained_only and self.lpa3_train_forward == "verified":
+            confidence = self._pseudo_labels(self.fixmatch_weak_logits(batch))[0]  # the logits are cached
             train_mask = (confidence >= self.lpa3_confidence_threshold) & self._lpa3_term_on()
         return LPA3Request(inputs=x_weak, targets=pseudo, indices=idx, train_mask=train_mask)
 
@@ -151,7 +157,9 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         Returns:
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``,
             ``loss_lpa3``, ``mask_rate`` (share of pseudo-labels above the threshold),
-            ``num_augmented`` and ``lpa3_kept_rate`` (share of ``x'`` above the second threshold).
+            ``num_augmented`` (the ``x'`` in the term's forward: with ``lpa3_solve_trained_only``
+            only those above the second threshold) and ``lpa3_kept_rate`` (share of the selected
+            rows above the second threshold).
         """
         x, y, _, x_weak, x_strong, idx_u = split_semi_supervised_batch(batch)
         classes = self.lpa3_num_classes
