@@ -1,0 +1,98 @@
+"""Whether DivideMix's co-divide finds the clean labels: per epoch, per network, against the clean labels.
+
+One DivideMix run (optionally + LP-A3) with the settings of the ``docs/results.md`` noisy-label
+table (MNIST-5k, symmetric noise that always changes the label, small CNN, batch 64, warm-up 5,
+lambda_u 25). After every epoch a watcher compares each network's clean probabilities ``w``
+(the GMM split this epoch trained on) with the clean labels the data module keeps for evaluation
+(they never reach the training step) and prints:
+
+- ``labeled``: share of the training set with ``w`` above the threshold (the labeled set the
+  *other* network trains on);
+- ``precision``: share of those whose noisy label is the clean one;
+- ``recall``: share of the clean-labeled samples that are in it;
+- ``AUROC``: how well ``w`` ranks clean above noisy labels (torchmetrics);
+- the clean test accuracy of each network and of their sum (the module's prediction).
+
+Usage::
+
+    python benchmarks/dividemix_diagnose.py --seed 2 --epochs 12 --warmup 5 [--lpa3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rate", type=float, default=0.8)
+    parser.add_argument("--lambda-u", type=float, default=25.0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lpa3", action="store_true", help="add LPA3Callback(ratio=0.9, sigma=0.02, steps=5)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from torchmetrics.functional.classification import binary_auroc
+
+    from lpa3_lightning import DivideMixClassifier, LPA3Callback
+    from lpa3_lightning.data import NoisyLabelDataModule
+
+    torch.set_num_threads(args.threads)
+    pl.seed_everything(args.seed)
+    data = NoisyLabelDataModule("mnist5k", noise_rate=args.rate, noise_mode="symmetric", noise_convention="other",
+                                seed=args.seed, batch_size=args.batch_size)
+    data.setup("fit")
+    data.setup("test")
+    is_clean = torch.as_tensor(data.noisy_train_labels == data.clean_train_labels)
+    module = DivideMixClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
+                                 warmup_epochs=args.warmup, lambda_u=args.lambda_u)
+    callbacks: list[Callback] = []
+    if args.lpa3:
+        callbacks.append(LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=args.warmup, seed=0))
+
+    class Watch(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            parts = []
+            for name in pl_module.lpa3_networks():
+                w = pl_module._dm_state()["clean_prob"].get(name)
+                if w is None:
+                    continue
+                labeled = w.cpu() > pl_module.dividemix_threshold
+                kept = int(labeled.sum())
+                precision = float(is_clean[labeled].float().mean()) if kept else float("nan")
+                recall = float(labeled[is_clean].float().mean())
+                auroc = float(binary_auroc(w.cpu().float(), is_clean.long()))
+                parts.append(f"{name}: labeled {kept / len(w):.3f} precision {precision:.3f} recall {recall:.3f} "
+                             f"AUROC {auroc:.3f}")
+            accuracy = {}
+            was_training = pl_module.training
+            pl_module.eval()
+            with torch.no_grad():
+                for key, net in (("net1", pl_module.net1), ("net2", pl_module.net2), ("sum", pl_module)):
+                    correct = sum(int((net(x).argmax(1) == y).sum()) for x, y, _ in data.test_dataloader())
+                    accuracy[key] = correct / len(data.test_dataloader().dataset)
+            pl_module.train(was_training)
+            split = "; ".join(parts) if parts else "warm-up (no split)"
+            print(f"epoch {trainer.current_epoch:2d}: {split}; test acc net1 {accuracy['net1']:.3f} net2 "
+                  f"{accuracy['net2']:.3f} sum {accuracy['sum']:.3f}", flush=True)
+
+    print(f"clean labels: {int(is_clean.sum())} of {len(is_clean)}", flush=True)
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[*callbacks, Watch()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()
