@@ -75,14 +75,20 @@ def main() -> None:
                 auroc = float(binary_auroc(w.cpu().float(), is_clean.long()))
                 parts.append(f"{name}: labeled {kept / len(w):.3f} precision {precision:.3f} recall {recall:.3f} "
                              f"AUROC {auroc:.3f}")
-            accuracy = {}
+            # one pass over one test loader, as noisy_table.py evaluates: a loader's iterator draws
+            # from the global RNG, so the run then follows the table's run of the same seed
+            correct, total = dict.fromkeys(("net1", "net2", "sum"), 0), 0
             was_training = pl_module.training
             pl_module.eval()
             with torch.no_grad():
-                for key, net in (("net1", pl_module.net1), ("net2", pl_module.net2), ("sum", pl_module)):
-                    correct = sum(int((net(x).argmax(1) == y).sum()) for x, y, _ in data.test_dataloader())
-                    accuracy[key] = correct / len(data.test_dataloader().dataset)
+                for x, y, _ in data.test_dataloader():
+                    logits = {"net1": pl_module.net1(x), "net2": pl_module.net2(x)}
+                    logits["sum"] = logits["net1"] + logits["net2"]
+                    for key, value in logits.items():
+                        correct[key] += int((value.argmax(1) == y).sum())
+                    total += len(y)
             pl_module.train(was_training)
+            accuracy = {key: value / total for key, value in correct.items()}
             split = "; ".join(parts) if parts else "warm-up (no split)"
             print(f"epoch {trainer.current_epoch:2d}: {split}; test acc net1 {accuracy['net1']:.3f} net2 "
                   f"{accuracy['net2']:.3f} sum {accuracy['sum']:.3f}", flush=True)
