@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lpa3", action="store_true", help="add LPA3Callback(ratio=0.9, sigma=0.02, steps=5)")
+    parser.add_argument("--guess-bn-updates", action="store_true",
+                        help="DivideMixClassifier.dividemix_guess_bn_updates = True (the authors' BatchNorm handling)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -57,6 +59,7 @@ def main() -> None:
     is_clean = torch.as_tensor(data.noisy_train_labels == data.clean_train_labels)
     module = DivideMixClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
                                  warmup_epochs=args.warmup, lambda_u=args.lambda_u)
+    module.dividemix_guess_bn_updates = args.guess_bn_updates
     callbacks: list[Callback] = []
     if args.lpa3:
         callbacks.append(LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=args.warmup, seed=0))

@@ -37,13 +37,15 @@ batch is split by the per-sample labeled mask; the authors iterate over the labe
 as many unlabeled samples, and :meth:`noisy_split_mask` lets the data module do likewise
 (``NoisyLabelDataModule(balance_split=True)``, the default: half of each batch from the samples
 labeled for either network, half from the rest, for a pass's number of steps). The guessing forwards
-leave the BatchNorm running statistics alone (the authors' move them). The GMM's initialisation
+leave the BatchNorm running statistics alone (the authors' move them;
+``dividemix_guess_bn_updates=True`` does as they do). The GMM's initialisation
 is seeded (theirs is not). A split with fewer than two labeled or unlabeled samples is kept
 (the authors' code crashes on an empty unlabeled set): its empty part contributes zero.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal
 
 import torch
@@ -94,6 +96,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             ``dividemix_lambda_u``, as PES's LP-A3 does. Rows with ``lambda_u = 0`` (DivideMix's
             CIFAR-10 asymmetric and 20% rows) need a weight of their own, or the ``x'`` train nothing.
         dividemix_seed: seed of the GMM's initialisation.
+        dividemix_guess_bn_updates: let the guessing and refinement forwards (train mode, no
+            gradient) move the BatchNorm running statistics, as the authors' code does (True);
+            False (default, the earlier behaviour): only the mixed training forward moves them.
     """
 
     dividemix_networks: tuple[str, str] = ("net1", "net2")
@@ -108,6 +113,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
     dividemix_lpa3_mixup: bool = True
     dividemix_lpa3_weight: float | None = None
     dividemix_seed: int = 0
+    dividemix_guess_bn_updates: bool = False
     lpa3_num_samples: int | None = None
 
     # ------------------------------------------------------------------ networks
@@ -252,7 +258,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:
             own, other = self.dividemix_model(network), self.dividemix_model(self.dividemix_other(network))
-            with BatchNormStatisticsFrozen(own):
+            with self._dm_guess_bn(own):
                 logits_own = self.lpa3_logits(own(torch.cat([u1, u2]))).float()
             was_training = other.training
             other.eval()
@@ -267,6 +273,10 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             logits_u1 = logits_own[:n]
         self._dm_state()["guess"][network] = (x1, guess, logits_u1)
         return guess
+
+    def _dm_guess_bn(self, model: nn.Module) -> Any:
+        """The BatchNorm handling of a guessing or refinement forward (see ``dividemix_guess_bn_updates``)."""
+        return contextlib.nullcontext() if self.dividemix_guess_bn_updates else BatchNormStatisticsFrozen(model)
 
     # ------------------------------------------------------------------ request
     def lpa3_request(self, batch: Any, network: str | None = None) -> LPA3Request:
@@ -317,7 +327,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         n_lab = int(labeled.sum())
         refined = x1.new_zeros(0, num_classes).float()
         if n_lab:
-            with torch.no_grad(), BatchNormStatisticsFrozen(model):
+            with torch.no_grad(), self._dm_guess_bn(model):
                 probs = torch.softmax(self.lpa3_logits(model(torch.cat([x1[labeled], x2[labeled]]))).float(), 1)
             refined = co_refine(y[labeled], torch.stack([probs[:n_lab], probs[n_lab:]]), w[labeled],
                                 self.dividemix_temperature)

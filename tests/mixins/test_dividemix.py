@@ -142,6 +142,15 @@ def test_the_guessing_forwards_move_no_running_statistic_and_feed_the_tcs_record
     assert module.lpa3_pop_predictions(network="net2") is None  # each network's record is its own
 
 
+def test_with_guess_bn_updates_the_guessing_forward_moves_the_running_statistics_as_the_authors():
+    module = TwoNets()
+    _planted_split(module)
+    module.dividemix_guess_bn_updates = True
+    running = {k: v.clone() for k, v in module.a.state_dict().items() if "running_mean" in k}
+    module.lpa3_request(_batch(), network="net1")  # net1's guess: its own train-mode forward of both views
+    assert all(not torch.equal(running[k], v) for k, v in module.a.state_dict().items() if k in running)
+
+
 def test_warmup_trains_each_network_on_its_own_view_with_cross_entropy():
     module = TwoNets(warmup=2)
     batch = _batch()
