@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--lpa3", action="store_true", help="add LPA3Callback(ratio=0.9, sigma=0.02, steps=5)")
     parser.add_argument("--guess-bn-updates", action="store_true",
                         help="DivideMixClassifier.dividemix_guess_bn_updates = True (the authors' BatchNorm handling)")
+    parser.add_argument("--lr-drop-epoch", type=int, default=None,
+                        help="DivideMixClassifier(lr_drop_epoch=): None drops at half the epochs, -1 never")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -58,7 +60,7 @@ def main() -> None:
     data.setup("test")
     is_clean = torch.as_tensor(data.noisy_train_labels == data.clean_train_labels)
     module = DivideMixClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                                 warmup_epochs=args.warmup, lambda_u=args.lambda_u)
+                                 warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch)
     module.dividemix_guess_bn_updates = args.guess_bn_updates
     callbacks: list[Callback] = []
     if args.lpa3:
