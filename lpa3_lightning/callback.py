@@ -45,6 +45,13 @@ _EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "skipped_fraction"
                 "perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
 
 
+def _drop_selected(mask: Tensor, drop: Tensor) -> Tensor:
+    """A copy of the batch mask ``mask`` without the selected rows flagged in ``drop`` (one flag per selected row)."""
+    mask = mask.clone()
+    mask[mask.nonzero().flatten()[drop]] = False
+    return mask
+
+
 def _global_rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -684,8 +691,7 @@ class LPA3Callback(Callback):
         solver_runs = self.cache is None or self.attack_new_selections or self._regeneration_epoch(epoch)
         plan = plan_rows(cached, solver_runs)
         if not bool(plan.keep.all()):
-            mask = mask.clone()
-            mask[mask.nonzero().flatten()[~plan.keep]] = False
+            mask = _drop_selected(mask, ~plan.keep)
             x, y, idx = x[plan.keep], y[plan.keep], idx[plan.keep]
         reuse, solve = plan.reuse[plan.keep], plan.solve[plan.keep]
         # the clean selected rows set the twin statistics (and the training forward's), whether or not
@@ -697,8 +703,7 @@ class LPA3Callback(Callback):
             else request.train_mask.to(mask.device)[mask]
         if trained is not None and not bool(trained.all()):
             skipped = int((~trained).sum())
-            mask = mask.clone()
-            mask[mask.nonzero().flatten()[~trained]] = False
+            mask = _drop_selected(mask, ~trained)
             x, y, idx, reuse, solve = x[trained], y[trained], idx[trained], reuse[trained], solve[trained]
         model, bn_mode = self._attack_model(pl_module, reference_x)
         stats, twin_statistics, bn_statistics = None, None, None

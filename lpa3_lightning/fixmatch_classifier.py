@@ -13,7 +13,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lpa3_lightning.classifier import check_datamodule_agrees
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins.base import split_indexed_batch
-from lpa3_lightning.mixins.fixmatch import FixMatchLPA3Mixin
+from lpa3_lightning.mixins.fixmatch import FixMatchLPA3Mixin, check_solve_trained_only
 
 __all__ = ["FixMatchClassifier", "build_ssl_backbone"]
 
@@ -111,9 +111,7 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         if isinstance(lpa3_loss_warmup_epochs, bool) or not isinstance(lpa3_loss_warmup_epochs, int) \
                 or lpa3_loss_warmup_epochs < 0:
             raise ValueError(f"`lpa3_loss_warmup_epochs` must be an int >= 0, got {lpa3_loss_warmup_epochs!r}.")
-        if not isinstance(lpa3_solve_trained_only, bool):
-            raise ValueError(f"`lpa3_solve_trained_only` must be True or False, got {lpa3_solve_trained_only!r}. "
-                             "Fix: use True (the same loss, less solver work) or False (the authors' cost).")
+        check_solve_trained_only(lpa3_solve_trained_only)
         self.save_hyperparameters(ignore=["model"])
         self.model = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
         if twin_bn:

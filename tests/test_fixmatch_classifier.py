@@ -81,3 +81,10 @@ def test_each_ssl_config_parses(config, tmp_path):
         callback = next(c for c in cli.trainer.callbacks if isinstance(c, LPA3Callback))
         assert callback.ratio == 0.9
         assert callback.sigma == (0.02 if config.startswith(("cifar100", "mnist5k", "pneumonia")) else 0.002)
+
+
+def test_a_non_bool_solve_trained_only_is_refused_by_name():
+    from lpa3_lightning import FixMatchClassifier
+
+    with pytest.raises(ValueError, match="lpa3_solve_trained_only` must be True or False"):
+        FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, lpa3_solve_trained_only="yes")

@@ -64,6 +64,14 @@ def split_semi_supervised_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Ten
     )
 
 
+def check_solve_trained_only(value: bool, name: str = "lpa3_solve_trained_only") -> bool:
+    """Validate the switch that lets the callback solve only the ``x'`` the loss weighs, returning it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}. "
+                         "Fix: use True (the same loss, less solver work) or False (the authors' cost).")
+    return value
+
+
 class FixMatchLPA3Mixin(LPA3ModuleMixin):
     """FixMatch's loss with LP-A3 hard positives from the weak unlabeled view.
 
@@ -113,9 +121,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
         x_weak, pseudo, idx = self.lpa3_split_batch(batch)
-        if not isinstance(self.lpa3_solve_trained_only, bool):
-            raise ValueError(f"`lpa3_solve_trained_only` must be True or False, got {self.lpa3_solve_trained_only!r}. "
-                             "Fix: use True (the same loss, less solver work) or False (the authors' cost).")
+        check_solve_trained_only(self.lpa3_solve_trained_only)
         train_mask = None
         # the x' that fixmatch_loss will weigh above zero; under the authors' "batch_stats" forward
         # the x' batch's own statistics depend on every solved row, so all are solved there
