@@ -41,6 +41,11 @@ def main() -> None:
                         help="DivideMixClassifier.dividemix_guess_bn_updates = True (the authors' BatchNorm handling)")
     parser.add_argument("--lr-drop-epoch", type=int, default=None,
                         help="DivideMixClassifier(lr_drop_epoch=): None drops at half the epochs, -1 never")
+    parser.add_argument("--alpha", type=float, default=4.0, help="mixup's Beta parameter (DivideMix: 4)")
+    parser.add_argument("--split-per-class", action="store_true",
+                        help="DivideMixClassifier(split_per_class=True): one Gaussian mixture per noisy class")
+    parser.add_argument("--per-class", action="store_true",
+                        help="also print, per class, the labeled set's size (by noisy label) and the test recall")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -59,9 +64,11 @@ def main() -> None:
     data.setup("fit")
     data.setup("test")
     is_clean = torch.as_tensor(data.noisy_train_labels == data.clean_train_labels)
+    noisy_labels = torch.as_tensor(data.noisy_train_labels)
     module = DivideMixClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                                 warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch)
-    module.dividemix_guess_bn_updates = args.guess_bn_updates
+                                 warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch,
+                                 alpha=args.alpha, split_per_class=args.split_per_class,
+                                 guess_bn_updates=args.guess_bn_updates)
     callbacks: list[Callback] = []
     if args.lpa3:
         callbacks.append(LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=args.warmup, seed=0))
@@ -83,6 +90,8 @@ def main() -> None:
             # one pass over one test loader, as noisy_table.py evaluates: a loader's iterator draws
             # from the global RNG, so the run then follows the table's run of the same seed
             correct, total = dict.fromkeys(("net1", "net2", "sum"), 0), 0
+            classes = pl_module.lpa3_num_classes
+            hits, seen = torch.zeros(classes), torch.zeros(classes)
             was_training = pl_module.training
             pl_module.eval()
             with torch.no_grad():
@@ -92,11 +101,23 @@ def main() -> None:
                     for key, value in logits.items():
                         correct[key] += int((value.argmax(1) == y).sum())
                     total += len(y)
+                    hits += torch.bincount(y[logits["sum"].argmax(1) == y], minlength=classes).float()
+                    seen += torch.bincount(y, minlength=classes).float()
             pl_module.train(was_training)
             accuracy = {key: value / total for key, value in correct.items()}
             split = "; ".join(parts) if parts else "warm-up (no split)"
             print(f"epoch {trainer.current_epoch:2d}: {split}; test acc net1 {accuracy['net1']:.3f} net2 "
                   f"{accuracy['net2']:.3f} sum {accuracy['sum']:.3f}", flush=True)
+            if args.per_class:
+                for name in pl_module.lpa3_networks():
+                    w = pl_module._dm_state()["clean_prob"].get(name)
+                    if w is not None:
+                        labeled = w.cpu() > pl_module.dividemix_threshold
+                        counts = torch.bincount(noisy_labels[labeled], minlength=classes).tolist()
+                        clean = torch.bincount(noisy_labels[labeled & is_clean], minlength=classes).tolist()
+                        print(f"    {name} labeled per class {counts}, of them clean {clean}", flush=True)
+                print(f"    test recall per class {[round(v, 2) for v in (hits / seen.clamp_min(1)).tolist()]}",
+                      flush=True)
 
     print(f"clean labels: {int(is_clean.sum())} of {len(is_clean)}", flush=True)
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[*callbacks, Watch()],

@@ -10,7 +10,9 @@ time. ``ce`` is plain cross-entropy on the noisy labels with PES's optimiser (PE
 for the whole run); ``pes`` / ``dividemix`` are the ready modules with the CPU configs'
 schedule (``configs/noisy/``), ``*_lpa3`` the same with ``LPA3Callback`` (ratio 0.9, sigma 0.02,
 5 steps, attacks from the semi-supervised phase on); ``pes_lpa3_conf90`` (not run by default)
-attacks only the unlabeled samples whose guess is at least 0.9 sure (``lpa3_confidence=0.9``).
+attacks only the unlabeled samples whose guess is at least 0.9 sure (``lpa3_confidence=0.9``);
+``dividemix_pc`` / ``dividemix_pc_lpa3`` (not run by default) fit DivideMix's split per noisy class
+(``split_per_class=True``).
 One JSON per run in ``--out``; a finished
 run is not repeated. The summary prints mean +- std per method.
 """
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
-METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90")
+METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3")
 
 
 def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:
@@ -49,7 +51,9 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
                                lpa3_confidence=0.9 if method.endswith("_conf90") else None)
         start = warmup + refine
     else:
-        module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u)
+        # dividemix_pc*: the split's Gaussian mixture fitted per noisy class (a variant of ours)
+        module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u,
+                                     split_per_class=method.startswith("dividemix_pc"))
         start = warmup
     callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=start, seed=0) \
         if "_lpa3" in method else None

@@ -61,6 +61,11 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lpa3_mixup: mix the ``x'`` up with the labeled views (as PES's LP-A3) or train them unmixed.
         lpa3_weight: weight of the ``x'`` term after the ramp; None: ``lambda_u`` (as PES's LP-A3).
             With the callback, a total weight of 0 is refused (the attacks would train nothing).
+        split_per_class: fit the split's Gaussian mixture per noisy class (ours; see
+            :func:`~lpa3_lightning.dividemix.clean_probability_per_class`); False: the authors' one
+            mixture.
+        guess_bn_updates: let the guessing and refinement forwards move the BatchNorm running
+            statistics, as the authors' code does.
         twin_bn: give every BatchNorm of both networks a twin for ``x'``.
         seed: seed of the GMM's initialisation.
 
@@ -90,6 +95,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lr_drop_epoch: int | None = None,
         lpa3_mixup: bool = True,
         lpa3_weight: float | None = None,
+        split_per_class: bool = False,
+        guess_bn_updates: bool = False,
         twin_bn: bool = True,
         seed: int = 0,
     ) -> None:
@@ -126,6 +133,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.dividemix_lpa3_mixup = lpa3_mixup
         self.dividemix_lpa3_weight = lpa3_weight
         self.dividemix_seed = seed
+        self.dividemix_split_per_class = split_per_class
+        self.dividemix_guess_bn_updates = guess_bn_updates
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 

@@ -11,6 +11,7 @@ import torch
 from lpa3_lightning import dividemix
 from lpa3_lightning.dividemix import (
     clean_probability,
+    clean_probability_per_class,
     co_guess,
     co_refine,
     negative_entropy,
@@ -42,6 +43,29 @@ def test_the_gmm_refuses_bad_losses():
         clean_probability(torch.zeros(1))
     with pytest.raises(ValueError, match="NaN"):
         clean_probability(torch.tensor([0.1, float("nan"), 0.3]))
+
+
+def test_a_mixture_per_class_finds_the_clean_labels_of_a_hard_class_that_the_global_one_misses():
+    # class 0 is easy (clean 0.1, noisy 0.9); class 1 is hard: its clean labels' losses are those
+    # of the easy class's noisy ones (0.9), its noisy ones higher still (1.6). No single threshold
+    # is right on both classes.
+    g = torch.Generator().manual_seed(0)
+    parts = [(0.1, 300, 0, True), (0.9, 100, 0, False), (0.9, 300, 1, True), (1.6, 100, 1, False)]
+    losses = torch.cat([mean + 0.04 * torch.randn(n, generator=g) for mean, n, _, _ in parts])
+    labels = torch.cat([torch.full((n,), c) for _, n, c, _ in parts])
+    is_clean = torch.cat([torch.full((n,), clean) for _, n, _, clean in parts])
+    losses = normalized_losses(losses)
+    global_split = clean_probability(losses) > 0.5
+    per_class_split = clean_probability_per_class(losses, labels, num_classes=2) > 0.5
+    assert int((global_split != is_clean).sum()) >= 100  # one threshold: a group of 100 or 300 rows wrong
+    assert bool((per_class_split == is_clean).all())  # one per class: every row right
+    # a class too small for a mixture keeps the global posterior
+    labels_small = labels.clone()
+    labels_small[0] = 2
+    w = clean_probability_per_class(losses, labels_small, num_classes=3)
+    assert float(w[0]) == float(clean_probability(losses)[0])
+    with pytest.raises(ValueError, match="labels"):
+        clean_probability_per_class(losses, labels, num_classes=1)
 
 
 def test_co_refinement_and_co_guessing_against_their_formulas():

@@ -57,6 +57,7 @@ from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.dividemix import (
     clean_probability,
+    clean_probability_per_class,
     co_guess,
     co_refine,
     negative_entropy,
@@ -96,6 +97,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             ``dividemix_lambda_u``, as PES's LP-A3 does. Rows with ``lambda_u = 0`` (DivideMix's
             CIFAR-10 asymmetric and 20% rows) need a weight of their own, or the ``x'`` train nothing.
         dividemix_seed: seed of the GMM's initialisation.
+        dividemix_split_per_class: fit the Gaussian mixture once per noisy class
+            (:func:`~lpa3_lightning.dividemix.clean_probability_per_class`; ours, not the
+            authors'); False (default): one mixture over the whole set, as the authors.
         dividemix_guess_bn_updates: let the guessing and refinement forwards (train mode, no
             gradient) move the BatchNorm running statistics, as the authors' code does (True);
             False (default, the earlier behaviour): only the mixed training forward moves them.
@@ -114,6 +118,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
     dividemix_lpa3_weight: float | None = None
     dividemix_seed: int = 0
     dividemix_guess_bn_updates: bool = False
+    dividemix_split_per_class: bool = False
     lpa3_num_samples: int | None = None
 
     # ------------------------------------------------------------------ networks
@@ -193,6 +198,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         device = next(models[0].parameters()).device
         sums = torch.zeros(len(names), num_samples, device=device)
         counts = torch.zeros(num_samples, device=device)
+        label_sums = torch.zeros(num_samples, device=device)
         modes = [m.training for m in models]
         for m in models:
             m.eval()
@@ -205,15 +211,19 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                     loss = F.cross_entropy(self.lpa3_logits(m(x)).float(), y.long(), reduction="none")
                     sums[k].index_add_(0, idx, loss)
                 counts.index_add_(0, idx, torch.ones_like(idx, dtype=counts.dtype))
+                label_sums.index_add_(0, idx, y.to(label_sums.dtype))
         finally:
             for m, mode in zip(models, modes):
                 m.train(mode)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
             dist.all_reduce(counts)
+            dist.all_reduce(label_sums)
         if bool((counts == 0).any()):
             raise ValueError(f"The split loader left {int((counts == 0).sum())} training samples out. Fix: pass a "
                              "loader over the whole training set (no drop_last) to `dividemix_begin_epoch`.")
+        # a sample seen twice (a padded distributed sampler) carries its one label twice
+        self._dm_state()["labels"] = (label_sums / counts).round().long().cpu()
         return {n: sums[k] / counts for k, n in enumerate(names)}
 
     def dividemix_refresh_split(self, loader: Any) -> dict[str, Tensor]:
@@ -224,7 +234,12 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             history = state["history"].setdefault(name, [])
             history.append(normalized_losses(loss).cpu())
             del history[: max(0, len(history) - self.dividemix_loss_history)]
-            state["clean_prob"][name] = clean_probability(torch.stack(history).mean(0), seed=self.dividemix_seed)
+            mean_loss = torch.stack(history).mean(0)
+            if self.dividemix_split_per_class:
+                state["clean_prob"][name] = clean_probability_per_class(mean_loss, state["labels"],
+                                                                        self._dm_sizes()[1], seed=self.dividemix_seed)
+            else:
+                state["clean_prob"][name] = clean_probability(mean_loss, seed=self.dividemix_seed)
         return dict(state["clean_prob"])
 
     def dividemix_clean_probability(self, network: str) -> Tensor:

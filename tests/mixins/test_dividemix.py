@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lpa3_lightning.dividemix import clean_probability, clean_probability_per_class, normalized_losses
 from lpa3_lightning.mixins import DivideMixLPA3Mixin
 from tests.mixins.test_pes import NUM_CLASSES, NoisyTwoViews, _net
 
@@ -82,6 +83,24 @@ def test_the_split_marks_the_samples_whose_noisy_label_has_a_high_loss():
     assert bool((prob["net1"][flipped] < 0.1).all()) and bool((prob["net1"][~flipped] > 0.9).all())
     suspicious = flipped | even  # for network 2 the even clean samples look noisy too
     assert bool((prob["net2"][suspicious] < 0.1).all()) and bool((prob["net2"][~suspicious] > 0.9).all())
+
+
+def test_the_per_class_split_fits_each_noisy_class_on_the_losses_the_loader_gives():
+    """split_per_class: the mixture is fitted per noisy label as the loader carries it (by
+    index, whatever the order), on the same normalised losses as the global split."""
+    data = NoisyTwoViews(N)
+    fixed = [data[i] for i in range(N)]  # the views drawn once, so the check sees the same images
+    module = TwoNets()
+    module.dividemix_split_per_class = True
+    loader = DataLoader(fixed, batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(0))
+    prob = module.dividemix_refresh_split(loader)
+    x1 = torch.stack([row[0] for row in fixed])
+    for name, net in (("net1", module.a), ("net2", module.b)):
+        with torch.no_grad():
+            losses = F.cross_entropy(net.eval()(x1), data.noisy, reduction="none")
+        expected = clean_probability_per_class(normalized_losses(losses), data.noisy, NUM_CLASSES)
+        assert torch.allclose(prob[name], expected, atol=1e-4)
+        assert not torch.allclose(prob[name], clean_probability(normalized_losses(losses)), atol=1e-2)
 
 
 def test_the_split_refuses_a_loader_that_leaves_samples_out():
