@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--source", default="mnist5k", help="mnist5k (ships) or a MedMNIST flag with --root")
+    parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rate", type=float, default=0.8)
@@ -42,8 +44,14 @@ def main() -> None:
     parser.add_argument("--lr-drop-epoch", type=int, default=None,
                         help="DivideMixClassifier(lr_drop_epoch=): None drops at half the epochs, -1 never")
     parser.add_argument("--alpha", type=float, default=4.0, help="mixup's Beta parameter (DivideMix: 4)")
+    parser.add_argument("--prior-weight", type=float, default=1.0, help="DivideMixClassifier(prior_weight=)")
+    parser.add_argument("--class-prior", type=float, nargs="+", default=None,
+                        help="DivideMixClassifier(class_prior=): the prior penalty's class frequencies")
     parser.add_argument("--split-per-class", action="store_true",
                         help="DivideMixClassifier(split_per_class=True): one Gaussian mixture per noisy class")
+    parser.add_argument("--reference-epoch-length", action="store_true",
+                        help="end each semi-supervised epoch after one pass over the labeled set (the reference's "
+                             "epoch length) instead of a pass over the whole set")
     parser.add_argument("--per-class", action="store_true",
                         help="also print, per class, the labeled set's size (by noisy label) and the test recall")
     parser.add_argument("--threads", type=int, default=1)
@@ -59,16 +67,29 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     pl.seed_everything(args.seed)
-    data = NoisyLabelDataModule("mnist5k", noise_rate=args.rate, noise_mode="symmetric", noise_convention="other",
+    data = NoisyLabelDataModule(args.source, root=args.root, noise_rate=args.rate, noise_mode="symmetric",
+                                noise_convention="other",
                                 seed=args.seed, batch_size=args.batch_size)
     data.setup("fit")
     data.setup("test")
     is_clean = torch.as_tensor(data.noisy_train_labels == data.clean_train_labels)
     noisy_labels = torch.as_tensor(data.noisy_train_labels)
-    module = DivideMixClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
+    class ReferenceEpochLength(DivideMixClassifier):
+        """Ends each semi-supervised epoch after as many steps as the reference code's epoch: one
+        pass over the larger of the two labeled sets at half a batch of labeled rows a step."""
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.dividemix_phase(self.current_epoch) != "semi":
+                return None
+            labeled = max(int((w > self.dividemix_threshold).sum()) for w in self._dm_state()["clean_prob"].values())
+            return -1 if batch_idx >= -(-labeled // (args.batch_size // 2)) else None  # -1: Lightning ends the epoch
+
+    module_class = ReferenceEpochLength if args.reference_epoch_length else DivideMixClassifier
+    module = module_class(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
                                  warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch,
                                  alpha=args.alpha, split_per_class=args.split_per_class,
-                                 guess_bn_updates=args.guess_bn_updates)
+                                 guess_bn_updates=args.guess_bn_updates, prior_weight=args.prior_weight,
+                                 class_prior=args.class_prior)
     callbacks: list[Callback] = []
     if args.lpa3:
         callbacks.append(LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=args.warmup, seed=0))

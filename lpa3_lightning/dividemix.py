@@ -119,10 +119,21 @@ def co_guess(probs_net1: Tensor, probs_net2: Tensor, temperature: float = 0.5) -
     return sharpen(torch.cat([probs_net1, probs_net2]).mean(0), temperature)
 
 
-def prior_penalty(logits: Tensor) -> Tensor:
-    """``KL(uniform || mean softmax)`` over the batch: DivideMix's regulariser against collapse."""
+def prior_penalty(logits: Tensor, prior: Tensor | None = None) -> Tensor:
+    """``KL(prior || mean softmax)`` over the batch: DivideMix's regulariser against collapse.
+
+    ``prior`` None is DivideMix's uniform prior, right for balanced classes. On an imbalanced set
+    it pulls the mean prediction towards balance, away from the classes' true frequencies; pass
+    the class frequencies ``(C,)`` (summing to 1) there.
+    """
     mean_probs = torch.softmax(logits.float(), dim=1).mean(0)
-    prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
+    if prior is None:
+        prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
+    else:
+        prior = prior.to(mean_probs)
+        if prior.shape != mean_probs.shape or bool((prior <= 0).any()) or abs(float(prior.sum()) - 1.0) > 1e-4:
+            raise ValueError(f"`prior` must hold {mean_probs.numel()} positive class frequencies summing to 1, got "
+                             f"{prior.tolist()}.")
     return (prior * (prior.log() - mean_probs.clamp_min(1e-12).log())).sum()
 
 

@@ -64,6 +64,11 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         split_per_class: fit the split's Gaussian mixture per noisy class (ours; see
             :func:`~lpa3_lightning.dividemix.clean_probability_per_class`); False: the authors' one
             mixture.
+        prior_weight: weight of the prior penalty ``KL(prior || mean prediction)`` (1, the
+            authors'; 0 turns it off).
+        class_prior: the penalty's class frequencies (``num_classes`` numbers summing to 1); None:
+            uniform, as the authors. Their uniform prior suits balanced classes; on an imbalanced
+            set (PneumoniaMNIST: 26% / 74%) it pulls the predictions towards balance.
         guess_bn_updates: let the guessing and refinement forwards move the BatchNorm running
             statistics, as the authors' code does.
         twin_bn: give every BatchNorm of both networks a twin for ``x'``.
@@ -96,6 +101,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lpa3_mixup: bool = True,
         lpa3_weight: float | None = None,
         split_per_class: bool = False,
+        prior_weight: float = 1.0,
+        class_prior: list[float] | None = None,
         guess_bn_updates: bool = False,
         twin_bn: bool = True,
         seed: int = 0,
@@ -112,6 +119,12 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         if lambda_u < 0 or (lpa3_weight is not None and lpa3_weight < 0):
             raise ValueError(f"`lambda_u` and `lpa3_weight` must be >= 0, got {lambda_u!r} and {lpa3_weight!r}. Fix: "
                              "use lambda_u=25 (DivideMix, 50% noise) and lpa3_weight=None.")
+        if not prior_weight >= 0:
+            raise ValueError(f"`prior_weight` must be >= 0, got {prior_weight!r}. Fix: 1 (the authors') or 0 (off).")
+        if class_prior is not None and (len(class_prior) != num_classes or min(class_prior) <= 0
+                                        or abs(sum(class_prior) - 1.0) > 1e-4):
+            raise ValueError(f"`class_prior` must hold num_classes={num_classes} positive frequencies summing to 1, "
+                             f"got {class_prior!r}. Fix: e.g. the training set's class shares, or None (uniform).")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
         self.save_hyperparameters()
@@ -134,6 +147,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.dividemix_lpa3_weight = lpa3_weight
         self.dividemix_seed = seed
         self.dividemix_split_per_class = split_per_class
+        self.dividemix_prior_weight = prior_weight
+        self.dividemix_class_prior = None if class_prior is None else tuple(float(v) for v in class_prior)
         self.dividemix_guess_bn_updates = guess_bn_updates
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

@@ -84,6 +84,11 @@ def test_co_refinement_and_co_guessing_against_their_formulas():
 
 def test_prior_penalty_is_zero_for_uniform_mean_predictions_and_negative_entropy_is_minus_entropy():
     assert abs(float(prior_penalty(torch.zeros(4, 5)))) < 1e-7
+    skewed = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    at_prior = skewed.log().expand(4, 5)  # every row predicts the prior
+    assert abs(float(prior_penalty(at_prior, skewed))) < 1e-6 and float(prior_penalty(at_prior)) > 0.01
+    with pytest.raises(ValueError, match="summing to 1"):
+        prior_penalty(at_prior, torch.tensor([0.5, 0.5, 0.5, 0.0, 0.0]))
     confident = torch.tensor([[10.0, 0.0], [10.0, 0.0]])  # mean prediction ~ (1, 0)
     assert float(prior_penalty(confident)) > 1.0
     assert abs(float(negative_entropy(torch.zeros(3, 4))) + math.log(4)) < 1e-6

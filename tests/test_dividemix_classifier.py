@@ -155,7 +155,10 @@ def test_a_callback_that_attacks_during_the_warmup_is_warned_about(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [({"threshold": 1.0}, "threshold"), ({"lambda_u": -1}, "lambda_u"),
-                                           ({"loss_history": 0}, "loss_history"), ({"warmup_epochs": -1}, "warmup")])
+                                           ({"loss_history": 0}, "loss_history"), ({"warmup_epochs": -1}, "warmup"),
+                                           ({"prior_weight": -1.0}, "prior_weight"),
+                                           ({"num_classes": 2, "class_prior": [0.3, 0.3]}, "class_prior"),
+                                           ({"num_classes": 2, "class_prior": [0.2, 0.3, 0.5]}, "class_prior")])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DivideMixClassifier(**kwargs)

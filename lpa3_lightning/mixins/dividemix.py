@@ -100,6 +100,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         dividemix_split_per_class: fit the Gaussian mixture once per noisy class
             (:func:`~lpa3_lightning.dividemix.clean_probability_per_class`; ours, not the
             authors'); False (default): one mixture over the whole set, as the authors.
+        dividemix_prior_weight: weight of the prior penalty (1, the authors'; 0 turns it off).
+        dividemix_class_prior: the penalty's class frequencies (``C`` numbers summing to 1); None
+            (default): uniform, as the authors (right for balanced classes).
         dividemix_guess_bn_updates: let the guessing and refinement forwards (train mode, no
             gradient) move the BatchNorm running statistics, as the authors' code does (True);
             False (default, the earlier behaviour): only the mixed training forward moves them.
@@ -119,6 +122,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
     dividemix_seed: int = 0
     dividemix_guess_bn_updates: bool = False
     dividemix_split_per_class: bool = False
+    dividemix_prior_weight: float = 1.0
+    dividemix_class_prior: tuple[float, ...] | None = None
     lpa3_num_samples: int | None = None
 
     # ------------------------------------------------------------------ networks
@@ -353,7 +358,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         logits = self.lpa3_logits(model(mixed_x))
         loss_l = soft_cross_entropy(logits[: 2 * n_lab], mixed_t[: 2 * n_lab])
         loss_u = probability_mse(logits[2 * n_lab:], mixed_t[2 * n_lab:])
-        loss_p = prior_penalty(logits)
+        prior = None if self.dividemix_class_prior is None else torch.tensor(self.dividemix_class_prior)
+        loss_p = self.dividemix_prior_weight * prior_penalty(logits, prior) if self.dividemix_prior_weight else zero
         ramp = linear_rampup(epoch + batch_idx / max(1, batches_per_epoch), self.dividemix_warmup_epochs,
                              self.dividemix_rampup_epochs)
         weight_a = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight

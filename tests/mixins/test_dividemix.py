@@ -109,9 +109,16 @@ def test_the_split_refuses_a_loader_that_leaves_samples_out():
         module.dividemix_refresh_split(DataLoader(NoisyTwoViews(N), batch_size=10, drop_last=True))
 
 
-def test_semi_loss_equals_an_independent_computation(monkeypatch):
+@pytest.mark.parametrize("prior_weight, class_prior", [(1.0, None), (0.5, "skewed"), (0.0, None)])
+def test_semi_loss_equals_an_independent_computation(monkeypatch, prior_weight, class_prior):
     module = TwoNets()
     _, w2 = _planted_split(module)
+    prior_probs = torch.full((NUM_CLASSES,), 1 / NUM_CLASSES)
+    if class_prior == "skewed":
+        prior_probs = torch.arange(1, NUM_CLASSES + 1, dtype=torch.float32)
+        prior_probs = prior_probs / prior_probs.sum()
+        module.dividemix_class_prior = tuple(prior_probs.tolist())
+    module.dividemix_prior_weight = prior_weight
     monkeypatch.setattr("lpa3_lightning.mixins.dividemix.mixup_lambda", lambda alpha: 0.7)
     batch = _batch()
     x1, x2, y, idx = batch
@@ -140,8 +147,8 @@ def test_semi_loss_equals_an_independent_computation(monkeypatch):
     lx = -(mixed_t[: 2 * n_lab] * logits[: 2 * n_lab].log_softmax(1)).sum(1).mean()
     lu = ((logits[2 * n_lab:].softmax(1) - mixed_t[2 * n_lab:]) ** 2).mean()
     mean_p = logits.softmax(1).mean(0)
-    prior = (torch.full((NUM_CLASSES,), 1 / NUM_CLASSES) * (1 / NUM_CLASSES / mean_p).log()).sum()
-    expected = lx + 12.5 * lu + prior
+    prior = (prior_probs * (prior_probs / mean_p).log()).sum()
+    expected = lx + 12.5 * lu + prior_weight * prior
     assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
     assert float(parts["unlabeled_weight"]) == 12.5
     assert abs(float(parts["labeled_share"]) - n_lab / 12) < 1e-6
