@@ -12,7 +12,9 @@ schedule (``configs/noisy/``), ``*_lpa3`` the same with ``LPA3Callback`` (ratio 
 5 steps, attacks from the semi-supervised phase on); ``pes_lpa3_conf90`` (not run by default)
 attacks only the unlabeled samples whose guess is at least 0.9 sure (``lpa3_confidence=0.9``);
 ``dividemix_pc`` / ``dividemix_pc_lpa3`` (not run by default) fit DivideMix's split per noisy class
-(``split_per_class=True``).
+(``split_per_class=True``); ``dividemix_cp`` / ``dividemix_cp_lpa3`` (not run by default) give the
+prior penalty the training set's class shares (``class_prior``; the prevalence, which a user of
+an imbalanced medical set usually knows) instead of DivideMix's uniform prior.
 One JSON per run in ``--out``; a finished
 run is not repeated. The summary prints mean +- std per method.
 """
@@ -31,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
-METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3")
+METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
+           "dividemix_cp", "dividemix_cp_lpa3")
 
 
 def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:
@@ -40,6 +43,8 @@ def result_path(out: Path, source: str, rate: float, method: str, seed: int, epo
 
 def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: float):
     """The module and its LP-A3 callback (or None) of one method."""
+    import numpy as np
+
     from lpa3_lightning import DivideMixClassifier, LPA3Callback, PESClassifier
 
     common = {"arch": "small_cnn", "in_channels": data.in_channels, "num_classes": data.num_classes}
@@ -51,9 +56,15 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
                                lpa3_confidence=0.9 if method.endswith("_conf90") else None)
         start = warmup + refine
     else:
-        # dividemix_pc*: the split's Gaussian mixture fitted per noisy class (a variant of ours)
+        # dividemix_pc*: the split's Gaussian mixture fitted per noisy class (a variant of ours);
+        # dividemix_cp*: the prior penalty with the training set's class shares (its prevalence,
+        # which the label noise does not change) instead of a uniform prior
+        prior = None
+        if method.startswith("dividemix_cp"):
+            counts = np.bincount(np.asarray(data.clean_train_labels), minlength=data.num_classes)
+            prior = (counts / counts.sum()).tolist()
         module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u,
-                                     split_per_class=method.startswith("dividemix_pc"))
+                                     split_per_class=method.startswith("dividemix_pc"), class_prior=prior)
         start = warmup
     callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=start, seed=0) \
         if "_lpa3" in method else None
