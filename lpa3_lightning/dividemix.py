@@ -20,7 +20,8 @@ from torch import Tensor
 
 from lpa3_lightning.mixmatch import sharpen
 
-__all__ = ["clean_probability", "clean_probability_per_class", "co_guess", "co_refine", "negative_entropy", "normalized_losses", "prior_penalty"]
+__all__ = ["clean_probability", "clean_probability_per_class", "co_guess", "co_refine", "negative_entropy",
+           "normalized_losses", "prior_penalty"]
 
 
 def normalized_losses(losses: Tensor) -> Tensor:
