@@ -131,10 +131,11 @@ def prior_penalty(logits: Tensor, prior: Tensor | None = None) -> Tensor:
     if prior is None:
         prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
     else:
-        prior = prior.to(mean_probs)
+        # checked where the caller keeps it (the mixin: on the host), so a GPU step is not synchronised
         if prior.shape != mean_probs.shape or bool((prior <= 0).any()) or abs(float(prior.sum()) - 1.0) > 1e-4:
             raise ValueError(f"`prior` must hold {mean_probs.numel()} positive class frequencies summing to 1, got "
                              f"{prior.tolist()}.")
+        prior = prior.to(mean_probs)
     return (prior * (prior.log() - mean_probs.clamp_min(1e-12).log())).sum()
 
 
