@@ -1,4 +1,4 @@
-"""Checks of the per-sample tensors every stage receives: dataset indices and class labels.
+"""Checks of the per-sample tensors every stage receives: dataset indices and class labels (and a class prior).
 
 One definition each, so the TCS memory, the callback and the mixins refuse the same input
 with the same message. No Lightning here: a plain PyTorch loop gets the same errors.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_class_labels", "check_dataset_indices", "count_out_of_range"]
+__all__ = ["check_class_labels", "check_class_prior", "check_dataset_indices", "count_out_of_range"]
 
 
 def _is_integer_tensor(t: object) -> bool:
@@ -81,3 +81,20 @@ def count_out_of_range(values: Tensor, high: int) -> Tensor:
         2
     """
     return ((values < 0) | (values >= high)).sum()
+
+
+def check_class_prior(prior: object, num_classes: int, name: str = "class_prior") -> tuple[float, ...]:
+    """Refuse anything but ``num_classes`` positive, finite class frequencies summing to 1.
+
+    Takes a sequence or a host tensor (read on the host: a prior is a setting, checked once, not
+    a device value read every step) and returns the frequencies as a tuple of floats.
+    """
+    try:
+        values = tuple(float(v) for v in (prior.tolist() if isinstance(prior, Tensor) else prior))  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        values = None
+    if (values is None or len(values) != num_classes or not all(v > 0 and v != float("inf") for v in values)
+            or abs(sum(values) - 1.0) > 1e-4):
+        raise ValueError(f"`{name}` must hold num_classes={num_classes} positive frequencies summing to 1, got "
+                         f"{prior!r}. Fix: e.g. the training set's class shares, or None (uniform).")
+    return values

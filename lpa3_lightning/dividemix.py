@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lpa3_lightning.checks import check_class_prior
 from lpa3_lightning.mixmatch import sharpen
 
 __all__ = ["clean_probability", "clean_probability_per_class", "co_guess", "co_refine", "negative_entropy",
@@ -131,10 +132,10 @@ def prior_penalty(logits: Tensor, prior: Tensor | None = None) -> Tensor:
     if prior is None:
         prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
     else:
-        # checked where the caller keeps it (the mixin: on the host), so a GPU step is not synchronised
-        if prior.shape != mean_probs.shape or bool((prior <= 0).any()) or abs(float(prior.sum()) - 1.0) > 1e-4:
-            raise ValueError(f"`prior` must hold {mean_probs.numel()} positive class frequencies summing to 1, got "
-                             f"{prior.tolist()}.")
+        if prior.device.type == "cpu":
+            # a host prior is checked here; a prior already on the logits' device was checked by
+            # its owner (reading it back would synchronise a GPU step)
+            check_class_prior(prior, mean_probs.numel(), name="prior")
         prior = prior.to(mean_probs)
     return (prior * (prior.log() - mean_probs.clamp_min(1e-12).log())).sum()
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lpa3_lightning.checks import check_class_prior
 from lpa3_lightning.classifier import check_datamodule_agrees
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.fixmatch_classifier import build_ssl_backbone
@@ -121,10 +122,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
                              "use lambda_u=25 (DivideMix, 50% noise) and lpa3_weight=None.")
         if not prior_weight >= 0:
             raise ValueError(f"`prior_weight` must be >= 0, got {prior_weight!r}. Fix: 1 (the authors') or 0 (off).")
-        if class_prior is not None and (len(class_prior) != num_classes or min(class_prior) <= 0
-                                        or abs(sum(class_prior) - 1.0) > 1e-4):
-            raise ValueError(f"`class_prior` must hold num_classes={num_classes} positive frequencies summing to 1, "
-                             f"got {class_prior!r}. Fix: e.g. the training set's class shares, or None (uniform).")
+        prior = None if class_prior is None else check_class_prior(class_prior, num_classes)
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
         self.save_hyperparameters()
@@ -148,7 +146,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.dividemix_seed = seed
         self.dividemix_split_per_class = split_per_class
         self.dividemix_prior_weight = prior_weight
-        self.dividemix_class_prior = None if class_prior is None else tuple(float(v) for v in class_prior)
+        self.dividemix_class_prior = prior
         self.dividemix_guess_bn_updates = guess_bn_updates
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

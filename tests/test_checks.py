@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lpa3_lightning import checks
-from lpa3_lightning.checks import check_class_labels, check_dataset_indices
+from lpa3_lightning.checks import check_class_labels, check_class_prior, check_dataset_indices
 from lpa3_lightning.tcs import TimeConsistency
 
 
@@ -42,3 +42,12 @@ def test_the_tcs_memory_refuses_with_the_shared_message():
     memory = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
     with pytest.raises(ValueError, match="`indices` out of range: got values in \\[4, 4\\]"):
         memory.update(torch.tensor([4]), torch.full((1, 2), 0.5))
+
+
+def test_a_class_prior_is_returned_as_floats_and_a_bad_one_is_refused_by_name():
+    assert check_class_prior([0.25, 0.75], 2) == (0.25, 0.75)
+    assert check_class_prior(torch.tensor([0.5, 0.5]), 2) == (0.5, 0.5)
+    bad = [[0.3, 0.3], [0.2, 0.3, 0.5], [1.0, 0.0], [1.5, -0.5], [float("nan"), 1.0], "ab", 3]
+    for prior in bad:
+        with pytest.raises(ValueError, match="`my_prior` must hold num_classes=2 positive frequencies summing to 1"):
+            check_class_prior(prior, 2, name="my_prior")

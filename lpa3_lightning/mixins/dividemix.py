@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.augmented import LPA3Request
-from lpa3_lightning.checks import check_class_labels, check_dataset_indices
+from lpa3_lightning.checks import check_class_labels, check_class_prior, check_dataset_indices
 from lpa3_lightning.dividemix import (
     clean_probability,
     clean_probability_per_class,
@@ -298,6 +298,19 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         """The BatchNorm handling of a guessing or refinement forward (see ``dividemix_guess_bn_updates``)."""
         return contextlib.nullcontext() if self.dividemix_guess_bn_updates else BatchNormStatisticsFrozen(model)
 
+    def _dm_prior(self, device: torch.device) -> Tensor | None:
+        """The prior penalty's class frequencies on ``device`` (None: uniform), checked and built
+        once per setting and device, not every step."""
+        if self.dividemix_class_prior is None:
+            return None
+        key = (tuple(self.dividemix_class_prior), str(device))
+        cached = self._dm_state().get("prior")
+        if cached is None or cached[0] != key:
+            values = check_class_prior(self.dividemix_class_prior, self._dm_sizes()[1], name="dividemix_class_prior")
+            cached = (key, torch.tensor(values, dtype=torch.float32, device=device))
+            self._dm_state()["prior"] = cached
+        return cached[1]
+
     # ------------------------------------------------------------------ request
     def lpa3_request(self, batch: Any, network: str | None = None) -> LPA3Request:
         """Semi phase: the rows unlabeled for ``network`` (first view) with their co-guessed label;
@@ -358,8 +371,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         logits = self.lpa3_logits(model(mixed_x))
         loss_l = soft_cross_entropy(logits[: 2 * n_lab], mixed_t[: 2 * n_lab])
         loss_u = probability_mse(logits[2 * n_lab:], mixed_t[2 * n_lab:])
-        prior = None if self.dividemix_class_prior is None else torch.tensor(self.dividemix_class_prior)
-        loss_p = self.dividemix_prior_weight * prior_penalty(logits, prior) if self.dividemix_prior_weight else zero
+        loss_p = (self.dividemix_prior_weight * prior_penalty(logits, self._dm_prior(logits.device))
+                  if self.dividemix_prior_weight else zero)
         ramp = linear_rampup(epoch + batch_idx / max(1, batches_per_epoch), self.dividemix_warmup_epochs,
                              self.dividemix_rampup_epochs)
         weight_a = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight
