@@ -13,9 +13,16 @@ lambda_u 25). After every epoch a watcher compares each network's clean probabil
 - ``AUROC``: how well ``w`` ranks clean above noisy labels (torchmetrics);
 - the clean test accuracy of each network and of their sum (the module's prediction).
 
+Trials of the split (not options of the package; each reads only what training sees, except
+``--oracle-split``): ``--oracle-split`` replaces the split by the truth, to test the
+semi-supervised phase alone; ``--balanced-split`` keeps the GMM's labeled count but spreads it
+evenly over the noisy classes (each class's lowest-loss rows); ``--freeze-count`` holds that
+count at the first split's.
+
 Usage::
 
     python benchmarks/dividemix_diagnose.py --seed 2 --epochs 12 --warmup 5 [--lpa3]
+    python benchmarks/dividemix_diagnose.py --seed 2 --epochs 16 --warmup 10 --guess-bn-updates --oracle-split
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def main() -> None:
                         help="DivideMixClassifier.dividemix_guess_bn_updates = True (the authors' BatchNorm handling)")
     parser.add_argument("--lr-drop-epoch", type=int, default=None,
                         help="DivideMixClassifier(lr_drop_epoch=): None drops at half the epochs, -1 never")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="DivideMixClassifier(threshold=): clean probability above which a label is trusted")
     parser.add_argument("--alpha", type=float, default=4.0, help="mixup's Beta parameter (DivideMix: 4)")
     parser.add_argument("--prior-weight", type=float, default=1.0, help="DivideMixClassifier(prior_weight=)")
     parser.add_argument("--class-prior", type=float, nargs="+", default=None,
@@ -54,6 +63,15 @@ def main() -> None:
                              "epoch length) instead of a pass over the whole set")
     parser.add_argument("--per-class", action="store_true",
                         help="also print, per class, the labeled set's size (by noisy label) and the test recall")
+    parser.add_argument("--oracle-split", action="store_true",
+                        help="replace each network's GMM split by the true clean/noisy indicator (w = 1 on a clean "
+                             "label, 0 on a noisy one): a check of the semi-supervised phase alone, given a perfect split")
+    parser.add_argument("--balanced-split", action="store_true",
+                        help="a trial, not a library option: after the GMM, keep as labeled the same number of rows "
+                             "per noisy class (the GMM's labeled count / classes), each class's lowest-loss rows, "
+                             "with w = 1 (the others w = 0)")
+    parser.add_argument("--freeze-count", action="store_true",
+                        help="with --balanced-split: the per-class count is the first split's, never raised after")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -85,9 +103,47 @@ def main() -> None:
             return -1 if batch_idx >= -(-labeled // (args.batch_size // 2)) else None  # -1: Lightning ends the epoch
 
     module_class = ReferenceEpochLength if args.reference_epoch_length else DivideMixClassifier
+    if args.oracle_split:
+        base_class = module_class
+
+        class OracleSplit(base_class):  # type: ignore[valid-type, misc]
+            """The split a perfect co-divide would give: the clean labels the data module keeps for evaluation."""
+
+            def dividemix_refresh_split(self, loader):
+                super().dividemix_refresh_split(loader)  # keeps the loss history and labels as a real run does
+                truth = is_clean.float()
+                state = self._dm_state()
+                for name in self.lpa3_networks():
+                    state["clean_prob"][name] = truth.clone()
+                return dict(state["clean_prob"])
+
+        module_class = OracleSplit
+    if args.balanced_split:
+        base_balanced = module_class
+
+        class BalancedSplit(base_balanced):  # type: ignore[valid-type, misc]
+            """As many labeled rows per noisy class, each class's lowest-loss ones."""
+
+            def dividemix_refresh_split(self, loader):
+                super().dividemix_refresh_split(loader)
+                state = self._dm_state()
+                classes = self.lpa3_num_classes
+                for name in self.lpa3_networks():
+                    loss = torch.stack(state["history"][name]).mean(0)
+                    per_class = -(-int((state["clean_prob"][name] > self.dividemix_threshold).sum()) // classes)
+                    if args.freeze_count:
+                        per_class = state.setdefault("first_count", {}).setdefault(name, per_class)
+                    w = torch.zeros_like(loss)
+                    for c in range(classes):
+                        rows = (noisy_labels == c).nonzero().flatten()
+                        w[rows[loss[rows].argsort()[:per_class]]] = 1.0
+                    state["clean_prob"][name] = w
+                return dict(state["clean_prob"])
+
+        module_class = BalancedSplit
     module = module_class(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
                                  warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch,
-                                 alpha=args.alpha, split_per_class=args.split_per_class,
+                                 alpha=args.alpha, threshold=args.threshold, split_per_class=args.split_per_class,
                                  guess_bn_updates=args.guess_bn_updates, prior_weight=args.prior_weight,
                                  class_prior=args.class_prior)
     callbacks: list[Callback] = []
