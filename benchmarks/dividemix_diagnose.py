@@ -74,6 +74,10 @@ def main() -> None:
                         help="with --balanced-split: the per-class count is the first split's, never raised after")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.freeze_count and not args.balanced_split:
+        parser.error("--freeze-count needs --balanced-split (it fixes the balanced split's per-class count)")
+    if args.oracle_split and args.balanced_split:
+        parser.error("--oracle-split and --balanced-split are two different splits: pass one")
 
     import lightning.pytorch as pl
     import torch

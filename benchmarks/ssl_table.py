@@ -29,11 +29,19 @@ from benchmarks.timing import mean_std, run_processes  # noqa: E402
 METHODS = ("fixmatch", "fixmatch_lpa3")
 
 
+def _threshold(lpa3_confidence: float | None) -> float:
+    """The LP-A3 term's confidence threshold a run used: None is the module's default (0.9)."""
+    return 0.9 if lpa3_confidence is None else float(lpa3_confidence)
+
+
 def result_path(out: Path, source: str, labels: int, method: str, seed: int, steps: int, regenerate: int,
-                solve_trained_only: bool = False) -> Path:
+                solve_trained_only: bool = False, lpa3_confidence: float | None = None) -> Path:
     cache = f"_k{regenerate}" if method == "fixmatch_lpa3" and regenerate != 1 else ""
     trained = "_trained" if method == "fixmatch_lpa3" and solve_trained_only else ""
-    return out / f"{source}_{labels}_{method}{cache}{trained}_s{steps}_seed{seed}.json"
+    # the module's default threshold (0.9, the authors') keeps the file names the earlier runs have
+    confidence = (f"_c{lpa3_confidence:g}" if method == "fixmatch_lpa3" and _threshold(lpa3_confidence) != 0.9
+                  else "")
+    return out / f"{source}_{labels}_{method}{cache}{trained}{confidence}_s{steps}_seed{seed}.json"
 
 
 class PseudoLabelTally:
@@ -106,7 +114,8 @@ class PseudoLabelTally:
 
 
 def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every: int, out: Path, root: str | None,
-        lpa3_warmup: int, regenerate: int, num_workers: int = 0, solve_trained_only: bool = False) -> dict:
+        lpa3_warmup: int, regenerate: int, num_workers: int = 0, solve_trained_only: bool = False,
+        lpa3_confidence: float | None = None) -> dict:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
@@ -115,7 +124,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     from lpa3_lightning.attack import AUTO_MAX_STEP_FRACTION
     from lpa3_lightning.data import SemiSupervisedDataModule
 
-    path = result_path(out, source, labels, method, seed, steps, regenerate, solve_trained_only)
+    path = result_path(out, source, labels, method, seed, steps, regenerate, solve_trained_only, lpa3_confidence)
     if path.exists():
         return json.loads(path.read_text())
     pl.seed_everything(seed)
@@ -124,7 +133,8 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     data.setup("fit")
     data.setup("test")
     module = FixMatchClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                                lpa3_loss_warmup_epochs=lpa3_warmup, lpa3_solve_trained_only=solve_trained_only)
+                                lpa3_loss_warmup_epochs=lpa3_warmup, lpa3_solve_trained_only=solve_trained_only,
+                                **({} if lpa3_confidence is None else {"lpa3_confidence_threshold": lpa3_confidence}))
     ema = EMAWeightAveraging(decay=0.999)
     pseudo_labels = PseudoLabelTally(module, data.train_base.labels)
 
@@ -176,7 +186,8 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "steps_per_epoch": data.num_steps_per_epoch, "lpa3_warmup_epochs": lpa3_warmup,
               "regenerate_every_n_epochs": regenerate, "final_raw_test_acc": curve.rows[-1]["raw_test_acc"],
               "num_workers": num_workers, "auto_max_step_fraction": AUTO_MAX_STEP_FRACTION,
-              "solve_trained_only": solve_trained_only}
+              "solve_trained_only": solve_trained_only,
+              "lpa3_confidence": module.lpa3_confidence_threshold if method == "fixmatch_lpa3" else None}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
@@ -252,6 +263,9 @@ def main() -> None:
                         help="FixMatchClassifier(lpa3_solve_trained_only=True), the package's default: solve only "
                              "the x' the LP-A3 term weighs (the same loss). Without it the authors' cost, as the "
                              "tables in docs/results.md ran")
+    parser.add_argument("--lpa3-confidence", type=float, default=None,
+                        help="FixMatchClassifier(lpa3_confidence_threshold=): the x' term's pseudo-label confidence "
+                             "threshold; None: the module's default (0.9, the authors')")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ssl_runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
@@ -266,7 +280,7 @@ def main() -> None:
     if args.worker:
         source, labels, method, seed = args.worker
         run(source, int(labels), method, int(seed), args.steps, args.eval_every, args.out, args.root,
-            args.lpa3_warmup, args.regenerate, args.num_workers, args.solve_trained_only)
+            args.lpa3_warmup, args.regenerate, args.num_workers, args.solve_trained_only, args.lpa3_confidence)
         return
     todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
 
@@ -275,17 +289,20 @@ def main() -> None:
                str(args.steps), "--eval-every", str(args.eval_every), "--lpa3-warmup", str(args.lpa3_warmup),
                "--regenerate", str(args.regenerate), "--out", str(args.out), "--num-workers", str(args.num_workers)]
         cmd += ["--solve-trained-only"] if args.solve_trained_only else []
+        cmd += ["--lpa3-confidence", str(args.lpa3_confidence)] if args.lpa3_confidence is not None else []
         return cmd + (["--root", args.root] if args.root else []) + (["--threads", str(args.threads)] if args.threads
                                                                       else [])
 
     run_processes((command(*job) for job in todo
                    if not result_path(args.out, job[0], job[1], job[2], job[3], args.steps, args.regenerate,
-                                      args.solve_trained_only).exists()),
+                                      args.solve_trained_only, args.lpa3_confidence).exists()),
                   args.jobs, ROOT)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
     results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources
                and (r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
-                                                  and r.get("solve_trained_only", False) == args.solve_trained_only))]
+                                                  and r.get("solve_trained_only", False) == args.solve_trained_only
+                                                  and _threshold(r.get("lpa3_confidence"))
+                                                  == _threshold(args.lpa3_confidence)))]
     print(summarize(results))
     if args.plot and results:
         print(f"plot: {plot_convergence(results, args.plot)}")

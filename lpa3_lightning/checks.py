@@ -86,14 +86,20 @@ def count_out_of_range(values: Tensor, high: int) -> Tensor:
 def check_class_prior(prior: object, num_classes: int, name: str = "class_prior") -> tuple[float, ...]:
     """Refuse anything but ``num_classes`` positive, finite class frequencies summing to 1.
 
-    Takes a sequence or a host tensor (read on the host: a prior is a setting, checked once, not
-    a device value read every step) and returns the frequencies as a tuple of floats.
+    Takes a sequence of numbers or a host tensor (read on the host: a prior is a setting, checked
+    once, not a device value read every step) and returns the frequencies as a tuple of floats.
+    Each must be at least float32's smallest normal number, so none rounds to 0 in the penalty.
     """
-    try:
-        values = tuple(float(v) for v in (prior.tolist() if isinstance(prior, Tensor) else prior))  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        values = None
-    if (values is None or len(values) != num_classes or not all(v > 0 and v != float("inf") for v in values)
+    items = prior.tolist() if isinstance(prior, Tensor) else prior
+    values: tuple[float, ...] | None = None
+    if not isinstance(items, (str, bytes)):
+        try:
+            if not any(isinstance(v, (str, bytes)) for v in items):  # type: ignore[union-attr]
+                values = tuple(float(v) for v in items)  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            values = None
+    tiny = torch.finfo(torch.float32).tiny
+    if (values is None or len(values) != num_classes or not all(v >= tiny for v in values)
             or abs(sum(values) - 1.0) > 1e-4):
         raise ValueError(f"`{name}` must hold num_classes={num_classes} positive frequencies summing to 1, got "
                          f"{prior!r}. Fix: e.g. the training set's class shares, or None (uniform).")

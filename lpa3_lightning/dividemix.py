@@ -126,15 +126,20 @@ def prior_penalty(logits: Tensor, prior: Tensor | None = None) -> Tensor:
 
     ``prior`` None is DivideMix's uniform prior, right for balanced classes. On an imbalanced set
     it pulls the mean prediction towards balance, away from the classes' true frequencies; pass
-    the class frequencies ``(C,)`` (summing to 1) there.
+    the class frequencies ``(C,)`` (summing to 1) there. A prior on the host is checked here; the
+    values of one already on an accelerator are the caller's to check (reading them back would
+    synchronise the step), its shape is checked here.
     """
     mean_probs = torch.softmax(logits.float(), dim=1).mean(0)
     if prior is None:
         prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
     else:
+        if prior.shape != mean_probs.shape:  # metadata: checked on every device, no synchronisation
+            raise ValueError(f"`prior` must hold {mean_probs.numel()} class frequencies (shape "
+                             f"{tuple(mean_probs.shape)}), got shape {tuple(prior.shape)}.")
         if prior.device.type == "cpu":
-            # a host prior is checked here; a prior already on the logits' device was checked by
-            # its owner (reading it back would synchronise a GPU step)
+            # a host prior's values are checked here; a prior already on an accelerator was checked
+            # by its owner (reading its values back would synchronise the step)
             check_class_prior(prior, mean_probs.numel(), name="prior")
         prior = prior.to(mean_probs)
     return (prior * (prior.log() - mean_probs.clamp_min(1e-12).log())).sum()

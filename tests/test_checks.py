@@ -47,7 +47,8 @@ def test_the_tcs_memory_refuses_with_the_shared_message():
 def test_a_class_prior_is_returned_as_floats_and_a_bad_one_is_refused_by_name():
     assert check_class_prior([0.25, 0.75], 2) == (0.25, 0.75)
     assert check_class_prior(torch.tensor([0.5, 0.5]), 2) == (0.5, 0.5)
-    bad = [[0.3, 0.3], [0.2, 0.3, 0.5], [1.0, 0.0], [1.5, -0.5], [float("nan"), 1.0], "ab", 3]
+    bad = [[0.3, 0.3], [0.2, 0.3, 0.5], [1.0, 0.0], [1.5, -0.5], [float("nan"), 1.0], [1e-300, 1.0],
+           ["0.5", "0.5"], "ab", 3, torch.tensor(0.5)]
     for prior in bad:
         with pytest.raises(ValueError, match="`my_prior` must hold num_classes=2 positive frequencies summing to 1"):
             check_class_prior(prior, 2, name="my_prior")

@@ -300,10 +300,10 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
 
     def _dm_prior(self, device: torch.device) -> Tensor | None:
         """The prior penalty's class frequencies on ``device`` (None: uniform), checked and built
-        once per setting and device, not every step."""
+        once per setting (prior, number of classes) and device, not every step."""
         if self.dividemix_class_prior is None:
             return None
-        key = (tuple(self.dividemix_class_prior), str(device))
+        key = (tuple(self.dividemix_class_prior), self._dm_sizes()[1], str(device))
         cached = self._dm_state().get("prior")
         if cached is None or cached[0] != key:
             values = check_class_prior(self.dividemix_class_prior, self._dm_sizes()[1], name="dividemix_class_prior")

@@ -154,6 +154,36 @@ def test_semi_loss_equals_an_independent_computation(monkeypatch, prior_weight, 
     assert abs(float(parts["labeled_share"]) - n_lab / 12) < 1e-6
 
 
+def test_the_class_prior_tensor_is_built_once_per_setting_and_a_bad_setting_is_refused_by_name():
+    module = TwoNets()
+    assert module._dm_prior(torch.device("cpu")) is None  # uniform
+    skewed = torch.arange(1, NUM_CLASSES + 1, dtype=torch.float64)
+    module.dividemix_class_prior = tuple((skewed / skewed.sum()).tolist())
+    first = module._dm_prior(torch.device("cpu"))
+    assert torch.allclose(first.double(), torch.tensor(module.dividemix_class_prior, dtype=torch.float64))
+    assert module._dm_prior(torch.device("cpu")) is first  # reused, not rebuilt every step
+    module.dividemix_class_prior = (1 / NUM_CLASSES,) * NUM_CLASSES
+    second = module._dm_prior(torch.device("cpu"))
+    assert second is not first and torch.allclose(second, torch.full((NUM_CLASSES,), 1 / NUM_CLASSES))
+    module.lpa3_num_classes = NUM_CLASSES + 1  # the same prior no longer fits: checked again, refused
+    with pytest.raises(ValueError, match="`dividemix_class_prior` must hold num_classes="):
+        module._dm_prior(torch.device("cpu"))
+
+
+def test_prior_penalty_checks_the_shape_of_a_prior_off_the_host_without_reading_its_values(monkeypatch):
+    """A prior on another device (here "meta", which has no values to read) gets its shape checked;
+    its values are not read on the host (the check that would read them is not called)."""
+    from lpa3_lightning import dividemix
+
+    read = []
+    monkeypatch.setattr(dividemix, "check_class_prior", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=r"`prior` must hold 3 class frequencies .*got shape \(2,\)"):
+        dividemix.prior_penalty(torch.zeros(4, 3), torch.empty(2, device="meta"))
+    assert read == []
+    dividemix.prior_penalty(torch.zeros(4, 3), torch.full((3,), 1 / 3))  # a host prior is value-checked
+    assert len(read) == 1
+
+
 def test_the_guessing_forwards_move_no_running_statistic_and_feed_the_tcs_record():
     module = TwoNets()
     _planted_split(module)
