@@ -14,7 +14,10 @@ attacks only the unlabeled samples whose guess is at least 0.9 sure (``lpa3_conf
 ``dividemix_pc`` / ``dividemix_pc_lpa3`` (not run by default) fit DivideMix's split per noisy class
 (``split_per_class=True``); ``dividemix_cp`` / ``dividemix_cp_lpa3`` (not run by default) give the
 prior penalty the training set's class shares (``class_prior``; the prevalence, which a user of
-an imbalanced medical set usually knows) instead of DivideMix's uniform prior.
+an imbalanced medical set usually knows) instead of DivideMix's uniform prior;
+``dividemix_st`` / ``dividemix_st_lpa3`` (not run by default) use the stratified split
+(``stratified_split=True``: the first split's labeled count, shared out by class, each class's
+lowest-loss rows).
 One JSON per run in ``--out``; a finished
 run is not repeated. The summary prints mean +- std per method.
 """
@@ -34,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
-           "dividemix_cp", "dividemix_cp_lpa3")
+           "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3")
 
 
 def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:
@@ -58,13 +61,15 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
     else:
         # dividemix_pc*: the split's Gaussian mixture fitted per noisy class (a variant of ours);
         # dividemix_cp*: the prior penalty with the training set's class shares (its prevalence,
-        # which the label noise does not change) instead of a uniform prior
+        # which the label noise does not change) instead of a uniform prior;
+        # dividemix_st*: the stratified split (the first split's count, by class, lowest losses; ours)
         prior = None
         if method.startswith("dividemix_cp"):
             counts = np.bincount(np.asarray(data.clean_train_labels), minlength=data.num_classes)
             prior = (counts / counts.sum()).tolist()
         module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u,
-                                     split_per_class=method.startswith("dividemix_pc"), class_prior=prior)
+                                     split_per_class=method.startswith("dividemix_pc"), class_prior=prior,
+                                     stratified_split=method.startswith("dividemix_st"))
         start = warmup
     callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=start, seed=0) \
         if "_lpa3" in method else None

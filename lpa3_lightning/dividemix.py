@@ -22,7 +22,7 @@ from lpa3_lightning.checks import check_class_prior
 from lpa3_lightning.mixmatch import sharpen
 
 __all__ = ["clean_probability", "clean_probability_per_class", "co_guess", "co_refine", "negative_entropy",
-           "normalized_losses", "prior_penalty"]
+           "normalized_losses", "prior_penalty", "stratified_selection"]
 
 
 def normalized_losses(losses: Tensor) -> Tensor:
@@ -92,6 +92,50 @@ def clean_probability_per_class(losses: Tensor, labels: Tensor, num_classes: int
         if rows.numel() >= 4 and bool(losses[rows].max() > losses[rows].min()):
             prob[rows] = clean_probability(losses[rows], seed=seed)
     return prob
+
+
+def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int, count: int) -> Tensor:
+    """``count`` rows marked clean (1.0, the rest 0.0), each noisy class's lowest-loss rows.
+
+    The count is shared out over the noisy classes in proportion to their sizes (largest
+    remainder, ties to the lower class), and each class fills its share with its own
+    lowest-loss rows (ties to the lower index). A class smaller than its share gives all its
+    rows. Ours, not DivideMix's (see ``DivideMixLPA3Mixin.dividemix_stratified_split``): the loss
+    ranks the labels of one class well, while one threshold over every class starves the classes
+    the network finds hard.
+
+    Shape:
+        - losses: ``(N,)``; labels: ``(N,)`` noisy labels in ``[0, num_classes)``; output ``(N,)``
+          float32 on the losses' device.
+
+    Example:
+        >>> losses = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.5, 0.6])
+        >>> labels = torch.tensor([0, 0, 0, 1, 1, 1])
+        >>> stratified_selection(losses, labels, num_classes=2, count=2).tolist()
+        [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    """
+    if losses.dim() != 1 or labels.shape != losses.shape:
+        raise ValueError(f"`losses` and `labels` must be 1-D of one shape, got {tuple(losses.shape)} and "
+                         f"{tuple(labels.shape)}.")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= losses.numel():
+        raise ValueError(f"`count` must be an int in [0, {losses.numel()}], got {count!r}.")
+    labels = labels.to(losses.device).long()
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f"`labels` must lie in [0, num_classes={num_classes}).")
+    sizes = torch.bincount(labels.cpu(), minlength=num_classes).double()
+    quota = count * sizes / max(1, labels.numel())
+    shares = quota.floor().long()
+    remainder = count - int(shares.sum())
+    if remainder > 0:  # largest fractional parts first; a stable sort sends ties to the lower class
+        order = torch.sort(quota - shares.double(), descending=True, stable=True).indices
+        shares[order[:remainder]] += 1
+    selected = torch.zeros_like(losses, dtype=torch.float32)
+    for c in range(num_classes):
+        rows = (labels == c).nonzero().flatten()
+        take = min(int(shares[c]), rows.numel())
+        if take:
+            selected[rows[torch.sort(losses[rows], stable=True).indices[:take]]] = 1.0
+    return selected
 
 
 def co_refine(labels: Tensor, probs_views: Tensor, w: Tensor, temperature: float = 0.5) -> Tensor:

@@ -65,6 +65,10 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         split_per_class: fit the split's Gaussian mixture per noisy class (ours; see
             :func:`~lpa3_lightning.dividemix.clean_probability_per_class`); False: the authors' one
             mixture.
+        stratified_split: label as clean the first split's number of rows, shared out over the
+            noisy classes by size, each class's lowest-loss rows (ours; see
+            ``DivideMixLPA3Mixin.dividemix_stratified_split``); False: the GMM's posterior, as the
+            authors. Not with ``split_per_class``.
         prior_weight: weight of the prior penalty ``KL(prior || mean prediction)`` (1, the
             authors'; 0 turns it off).
         class_prior: the penalty's class frequencies (``num_classes`` numbers summing to 1); None:
@@ -102,6 +106,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lpa3_mixup: bool = True,
         lpa3_weight: float | None = None,
         split_per_class: bool = False,
+        stratified_split: bool = False,
         prior_weight: float = 1.0,
         class_prior: list[float] | None = None,
         guess_bn_updates: bool = False,
@@ -123,6 +128,9 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         if not prior_weight >= 0:
             raise ValueError(f"`prior_weight` must be >= 0, got {prior_weight!r}. Fix: 1 (the authors') or 0 (off).")
         prior = None if class_prior is None else check_class_prior(class_prior, num_classes)
+        if split_per_class and stratified_split:
+            raise ValueError("`split_per_class` and `stratified_split` are two different splits. Fix: set one of "
+                             "them to False.")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
         self.save_hyperparameters()
@@ -145,6 +153,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.dividemix_lpa3_weight = lpa3_weight
         self.dividemix_seed = seed
         self.dividemix_split_per_class = split_per_class
+        self.dividemix_stratified_split = stratified_split
         self.dividemix_prior_weight = prior_weight
         self.dividemix_class_prior = prior
         self.dividemix_guess_bn_updates = guess_bn_updates

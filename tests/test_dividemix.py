@@ -17,6 +17,7 @@ from lpa3_lightning.dividemix import (
     negative_entropy,
     normalized_losses,
     prior_penalty,
+    stratified_selection,
 )
 from lpa3_lightning.mixmatch import sharpen
 
@@ -92,3 +93,28 @@ def test_prior_penalty_is_zero_for_uniform_mean_predictions_and_negative_entropy
     confident = torch.tensor([[10.0, 0.0], [10.0, 0.0]])  # mean prediction ~ (1, 0)
     assert float(prior_penalty(confident)) > 1.0
     assert abs(float(negative_entropy(torch.zeros(3, 4))) + math.log(4)) < 1e-6
+
+
+def test_the_stratified_selection_takes_each_class_share_of_its_lowest_losses():
+    """Against a plain loop: shares in proportion to the class sizes (largest remainder), and
+    within a class exactly its lowest-loss rows."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.cat([torch.full((n,), c) for c, n in enumerate((50, 30, 17, 3))])[torch.randperm(100, generator=g)]
+    losses = torch.rand(100, generator=g)
+    for count in (0, 1, 37, 100):
+        selected = stratified_selection(losses, labels, num_classes=5, count=count)
+        sizes = [int((labels == c).sum()) for c in range(5)]
+        exact = [count * n / 100 for n in sizes]
+        shares = [int(q) for q in exact]
+        for c in sorted(range(5), key=lambda c: -(exact[c] - shares[c]))[: count - sum(shares)]:
+            shares[c] += 1
+        assert int(selected.sum()) == count
+        for c in range(5):
+            rows = [i for i in range(100) if int(labels[i]) == c]
+            lowest = sorted(rows, key=lambda i: float(losses[i]))[: shares[c]]
+            assert sorted(i for i in rows if selected[i] == 1.0) == sorted(lowest), (count, c)
+    for bad in (-1, 101, 2.5, True):
+        with pytest.raises(ValueError, match="`count` must be an int"):
+            stratified_selection(losses, labels, num_classes=5, count=bad)
+    with pytest.raises(ValueError, match="num_classes=3"):
+        stratified_selection(losses, labels, num_classes=3, count=5)

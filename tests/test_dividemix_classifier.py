@@ -97,10 +97,15 @@ def test_one_callback_serves_both_networks_and_each_x_prime_keeps_its_guessed_la
         assert f"lpa3/{name}/threshold" in trainer.callback_metrics
 
 
-def test_resume_continues_both_memories_and_the_split_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("stratified_split", [False, True])
+def test_resume_continues_both_memories_and_the_split_as_an_uninterrupted_run(tmp_path, stratified_split):
+    """With ``stratified_split`` the checkpoint also carries the first split's count (that loading
+    it restores the count is checked in the mixin's tests, where a later GMM's count differs)."""
+
     def fit(epochs: int, ckpt_path=None, checkpoint_dir=None):
         pl.seed_everything(0)
-        module, callback = _module(), LPA3Callback(ratio=0.5, steps=1, warmup_epochs=1, seed=0)
+        module = _module(stratified_split=stratified_split)
+        callback = LPA3Callback(ratio=0.5, steps=1, warmup_epochs=1, seed=0)
         callbacks: list = [callback]
         if checkpoint_dir is not None:
             callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1,
@@ -123,6 +128,9 @@ def test_resume_continues_both_memories_and_the_split_as_an_uninterrupted_run(tm
         for key in ("memory", "scores", "seen", "threshold"):
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5, equal_nan=True), (name, key)
         assert torch.equal(whole.dividemix_clean_probability(name), resumed.dividemix_clean_probability(name))
+    if stratified_split:
+        assert resumed._dm_state()["stratified_count"] == whole._dm_state()["stratified_count"]
+        assert saved["dividemix_split"]["stratified_count"] == whole._dm_state()["stratified_count"]
     for key, value in whole.state_dict().items():
         assert torch.allclose(value.float(), resumed.state_dict()[key].float(), atol=1e-5), key
 
@@ -158,7 +166,9 @@ def test_a_callback_that_attacks_during_the_warmup_is_warned_about(tmp_path):
                                            ({"loss_history": 0}, "loss_history"), ({"warmup_epochs": -1}, "warmup"),
                                            ({"prior_weight": -1.0}, "prior_weight"),
                                            ({"num_classes": 2, "class_prior": [0.3, 0.3]}, "class_prior"),
-                                           ({"num_classes": 2, "class_prior": [0.2, 0.3, 0.5]}, "class_prior")])
+                                           ({"num_classes": 2, "class_prior": [0.2, 0.3, 0.5]}, "class_prior"),
+                                           ({"split_per_class": True, "stratified_split": True},
+                                            "`split_per_class` and `stratified_split`")])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DivideMixClassifier(**kwargs)

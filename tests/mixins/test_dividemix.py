@@ -103,6 +103,47 @@ def test_the_per_class_split_fits_each_noisy_class_on_the_losses_the_loader_give
         assert not torch.allclose(prob[name], clean_probability(normalized_losses(losses)), atol=1e-2)
 
 
+def test_the_stratified_split_keeps_the_first_splits_count_and_each_class_lowest_losses():
+    """stratified_split: the first refresh fixes the count at the GMM's labeled count; a later
+    refresh (other losses) keeps that count; each class's rows are its lowest-loss ones; the
+    count survives the module's state dict."""
+    data = NoisyTwoViews(N)
+    fixed = [data[i] for i in range(N)]
+    module = TwoNets()
+    module.dividemix_stratified_split = True
+    loader = DataLoader(fixed, batch_size=10, shuffle=False)
+    x1 = torch.stack([row[0] for row in fixed])
+
+    def gmm_count_and_losses(net):
+        with torch.no_grad():
+            losses = normalized_losses(F.cross_entropy(net.eval()(x1), data.noisy, reduction="none"))
+        return int((clean_probability(losses) > 0.5).sum()), losses
+
+    first = module.dividemix_refresh_split(loader)
+    counts = {}
+    for name, net in (("net1", module.a), ("net2", module.b)):
+        counts[name], losses = gmm_count_and_losses(net)
+        assert 0 < counts[name] < N and int(first[name].sum()) == counts[name]
+        for c in range(NUM_CLASSES):  # within a class, no unselected row has a lower loss than a selected one
+            rows = data.noisy == c
+            chosen, left = losses[rows & (first[name] == 1)], losses[rows & (first[name] == 0)]
+            assert chosen.numel() == 0 or left.numel() == 0 or float(chosen.max()) <= float(left.min())
+    with torch.no_grad():  # the networks change: the GMM's count changes, the split's does not
+        for p in module.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    assert any(gmm_count_and_losses(net)[0] != counts[name] for name, net in (("net1", module.a), ("net2", module.b)))
+    second = module.dividemix_refresh_split(loader)
+    assert all(int(second[name].sum()) == counts[name] for name in counts)
+    saved = module.dividemix_state_dict()
+    resumed = TwoNets()
+    resumed.dividemix_stratified_split = True
+    resumed.dividemix_load_state_dict(saved)
+    assert resumed._dm_state()["stratified_count"] == counts
+    module.dividemix_split_per_class = True
+    with pytest.raises(ValueError, match="two different splits"):
+        module.dividemix_refresh_split(loader)
+
+
 def test_the_split_refuses_a_loader_that_leaves_samples_out():
     module = TwoNets()
     with pytest.raises(ValueError, match="left 8 training samples out"):
