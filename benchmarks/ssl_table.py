@@ -299,6 +299,7 @@ def main() -> None:
                   args.jobs, ROOT)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
     results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources
+               and r["labels"] in args.labels
                and (r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
                                                   and r.get("solve_trained_only", False) == args.solve_trained_only
                                                   and _threshold(r.get("lpa3_confidence"))

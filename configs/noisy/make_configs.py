@@ -94,6 +94,7 @@ def _dividemix_model(arch: str, classes: int, channels: int, warmup: int, lambda
     lpa3_mixup: true
     lpa3_weight: {"null" if lambda_u > 0 else LPA3_WEIGHT_WITHOUT_LAMBDA_U}
     split_per_class: false  # true: one Gaussian mixture per noisy class (ours, not the authors')
+    stratified_split: false  # true: the first split's count, by class, lowest losses (ours, not the authors')
     guess_bn_updates: false  # true: the guessing forwards move BatchNorm statistics, as the authors' code
     twin_bn: true
 """
