@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lpa3_lightning.checks import check_class_prior
+from lpa3_lightning.checks import check_class_labels, check_class_prior
 from lpa3_lightning.mixmatch import sharpen
 
 __all__ = ["clean_probability", "clean_probability_per_class", "co_guess", "co_refine", "negative_entropy",
@@ -99,8 +99,8 @@ def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int, count
 
     The count is shared out over the noisy classes in proportion to their sizes (largest
     remainder, ties to the lower class), and each class fills its share with its own
-    lowest-loss rows (ties to the lower index). A class smaller than its share gives all its
-    rows. Ours, not DivideMix's (see ``DivideMixLPA3Mixin.dividemix_stratified_split``): the loss
+    lowest-loss rows (ties to the lower index); every share fits its class, so exactly ``count``
+    rows are marked. Ours, not DivideMix's (see ``DivideMixLPA3Mixin.dividemix_stratified_split``): the loss
     ranks the labels of one class well, while one threshold over every class starves the classes
     the network finds hard.
 
@@ -116,12 +116,12 @@ def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int, count
     """
     if losses.dim() != 1 or labels.shape != losses.shape:
         raise ValueError(f"`losses` and `labels` must be 1-D of one shape, got {tuple(losses.shape)} and "
-                         f"{tuple(labels.shape)}.")
+                         f"{tuple(labels.shape)}. Fix: one loss and one noisy label per training sample.")
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= losses.numel():
-        raise ValueError(f"`count` must be an int in [0, {losses.numel()}], got {count!r}.")
+        raise ValueError(f"`count` must be an int in [0, {losses.numel()}], got {count!r}. Fix: the number of "
+                         "rows to mark clean, at most the number of samples.")
+    check_class_labels(labels, num_classes, name="labels")
     labels = labels.to(losses.device).long()
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(f"`labels` must lie in [0, num_classes={num_classes}).")
     sizes = torch.bincount(labels.cpu(), minlength=num_classes).double()
     quota = count * sizes / max(1, labels.numel())
     shares = quota.floor().long()

@@ -116,5 +116,11 @@ def test_the_stratified_selection_takes_each_class_share_of_its_lowest_losses():
     for bad in (-1, 101, 2.5, True):
         with pytest.raises(ValueError, match="`count` must be an int"):
             stratified_selection(losses, labels, num_classes=5, count=bad)
-    with pytest.raises(ValueError, match="num_classes=3"):
+    with pytest.raises(ValueError, match="Labels out of range: `labels`.*for 3 classes"):
         stratified_selection(losses, labels, num_classes=3, count=5)
+
+
+def test_the_stratified_selection_breaks_ties_towards_the_lower_class_and_the_lower_index():
+    labels = torch.tensor([0, 1, 0, 1, 0, 1])  # two classes of 3: a count of 3 leaves a tie of remainders
+    losses = torch.full((6,), 0.5)  # every loss equal: the lower indices win within a class
+    assert stratified_selection(losses, labels, num_classes=2, count=3).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]

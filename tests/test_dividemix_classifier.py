@@ -129,6 +129,7 @@ def test_resume_continues_both_memories_and_the_split_as_an_uninterrupted_run(tm
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5, equal_nan=True), (name, key)
         assert torch.equal(whole.dividemix_clean_probability(name), resumed.dividemix_clean_probability(name))
     if stratified_split:
+        assert set(whole._dm_state()["stratified_count"]) == {"net1", "net2"}  # a count was fixed for each
         assert resumed._dm_state()["stratified_count"] == whole._dm_state()["stratified_count"]
         assert saved["dividemix_split"]["stratified_count"] == whole._dm_state()["stratified_count"]
     for key, value in whole.state_dict().items():

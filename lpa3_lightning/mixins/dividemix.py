@@ -107,7 +107,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             :func:`~lpa3_lightning.dividemix.stratified_selection`); the count is fixed at the
             first semi-supervised epoch's. Ours, not the authors' (measured in the project's
             results: at 80% noise the GMM's labeled count grows as the networks fit the noisy
-            rows they were given, and one threshold starves the hard classes). False (default):
+            rows they were given, and one threshold starves the hard classes). Until a GMM split
+            has both a labeled and an unlabeled row, its posterior is used as is. False (default):
             the GMM's posterior, as the authors. Not with ``dividemix_split_per_class``.
         dividemix_prior_weight: weight of the prior penalty (1, the authors'; 0 turns it off).
         dividemix_class_prior: the penalty's class frequencies (``C`` numbers summing to 1); None
@@ -243,6 +244,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
 
     def dividemix_refresh_split(self, loader: Any) -> dict[str, Tensor]:
         """Per network, the probability ``(N,)`` that each label is clean (the GMM's low-loss posterior)."""
+        if self.dividemix_split_per_class and self.dividemix_stratified_split:
+            raise ValueError("`dividemix_split_per_class` and `dividemix_stratified_split` are two different "
+                             "splits. Fix: set one of them to False.")
         state = self._dm_state()
         losses = self.dividemix_per_sample_losses(loader)
         for name, loss in losses.items():
@@ -250,9 +254,6 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             history.append(normalized_losses(loss).cpu())
             del history[: max(0, len(history) - self.dividemix_loss_history)]
             mean_loss = torch.stack(history).mean(0)
-            if self.dividemix_split_per_class and self.dividemix_stratified_split:
-                raise ValueError("`dividemix_split_per_class` and `dividemix_stratified_split` are two different "
-                                 "splits. Fix: set one of them to False.")
             if self.dividemix_split_per_class:
                 state["clean_prob"][name] = clean_probability_per_class(mean_loss, state["labels"],
                                                                         self._dm_sizes()[1], seed=self.dividemix_seed)
@@ -262,7 +263,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                 # the first split's count, kept: later GMMs count the noisy rows the networks have fitted
                 count = int((state["clean_prob"][name] > self.dividemix_threshold).sum())
                 counts = state.setdefault("stratified_count", {})
-                if count > 0:  # a split with no clean row fixes nothing: wait for a real one
+                if 0 < count < len(mean_loss):  # a split with an empty side fixes nothing: wait for a real one
                     counts.setdefault(name, count)
                 if name in counts:
                     state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"].to(mean_loss.device),

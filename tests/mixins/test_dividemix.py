@@ -139,6 +139,10 @@ def test_the_stratified_split_keeps_the_first_splits_count_and_each_class_lowest
     resumed.dividemix_stratified_split = True
     resumed.dividemix_load_state_dict(saved)
     assert resumed._dm_state()["stratified_count"] == counts
+    resumed.a.load_state_dict(module.a.state_dict())
+    resumed.b.load_state_dict(module.b.state_dict())
+    after_resume = resumed.dividemix_refresh_split(loader)  # the restored count, not a fresh GMM's
+    assert all(int(after_resume[name].sum()) == counts[name] for name in counts)
     module.dividemix_split_per_class = True
     with pytest.raises(ValueError, match="two different splits"):
         module.dividemix_refresh_split(loader)
