@@ -189,6 +189,16 @@ def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(tmp_path):
         assert rank0["metrics"][key] == pytest.approx(rank1["metrics"][key]) and rank0["metrics"][key] > 0
 
 
+def test_the_stratified_dividemix_split_is_the_same_on_both_ranks(tmp_path):
+    rank0, rank1 = _launch(tmp_path, "dividemix_stratified")
+    assert rank0["stratified_count"] == rank1["stratified_count"]
+    assert set(rank0["stratified_count"]) == {"net1", "net2"}
+    for name, count in rank0["stratified_count"].items():
+        w = rank0["clean_prob"][name]
+        assert torch.equal(w, rank1["clean_prob"][name])  # one split everywhere
+        assert set(w.unique().tolist()) <= {0.0, 1.0} and int(w.sum()) == count  # the kept count, as 0/1
+
+
 def test_pes_splits_the_same_way_on_both_ranks_through_all_three_phases(tmp_path):
     rank0, rank1 = _launch(tmp_path, "pes")
     assert torch.equal(rank0["labeled"], rank1["labeled"])  # the agreement split, all-reduced

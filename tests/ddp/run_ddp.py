@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
     python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1,user_module,
-                                         bad_index_rank1,crash_rank1,fixmatch,pes,dividemix}
+                                         bad_index_rank1,crash_rank1,fixmatch,pes,dividemix,dividemix_stratified}
 
 'supervised' also caches x' (regenerate_every_n_epochs=2). 'user_module' trains a module
 written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
@@ -174,11 +174,12 @@ def main(out: Path, mode: str) -> None:
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    out / f"rank{trainer.global_rank}.pt")
         return
-    if mode == "dividemix":
+    if mode in ("dividemix", "dividemix_stratified"):
         from lpa3_lightning import DivideMixClassifier
         from tests.mixins.test_pes import NoisyTwoViews
 
-        module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0)
+        module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0,
+                                     stratified_split=mode == "dividemix_stratified")
         callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=1, regenerate_every_n_epochs=2)
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -187,6 +188,7 @@ def main(out: Path, mode: str) -> None:
         torch.save({"tcs": {n: c.tcs.state_dict() for n, c in callback.networks.items()},
                     "cache": {n: c.cache.state_dict(include_inputs=True) for n, c in callback.networks.items()},
                     "clean_prob": {n: module.dividemix_clean_probability(n) for n in module.lpa3_networks()},
+                    "stratified_count": dict(module._dm_state().get("stratified_count", {})),
                     "params": {k: v.detach().clone() for k, v in module.named_parameters()},  # (BN buffers are local)
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    out / f"rank{trainer.global_rank}.pt")
