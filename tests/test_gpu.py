@@ -44,7 +44,7 @@ def test_attack_on_gpu_keeps_the_model_unchanged_and_the_label():
     deterministic = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True  # bitwise repeatable kernels (PyTorch's reproducibility notes)
     try:
-        (x_adv, stats), (again, _) = attack(), attack()
+        (x_adv, _), (again, _) = attack(), attack()
     finally:
         torch.backends.cudnn.deterministic = deterministic
     assert x_adv.is_cuda and x_adv.shape == x.shape

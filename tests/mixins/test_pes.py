@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lpa3_lightning import LPA3Callback, PESClassifier
-from lpa3_lightning.mixins import PESLPA3Mixin, split_two_view_batch
+from lpa3_lightning.mixins import split_two_view_batch
 from lpa3_lightning.mixmatch import mixup, mixup_lambda, probability_mse, sharpen, soft_cross_entropy
 from tests.helpers import independent_logp_drop, indexed_images
 
