@@ -134,7 +134,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     data.setup("test")
     module = FixMatchClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
                                 lpa3_loss_warmup_epochs=lpa3_warmup, lpa3_solve_trained_only=solve_trained_only,
-                                **({} if lpa3_confidence is None else {"lpa3_confidence_threshold": lpa3_confidence}))
+                                lpa3_confidence_threshold=_threshold(lpa3_confidence))
     ema = EMAWeightAveraging(decay=0.999)
     pseudo_labels = PseudoLabelTally(module, data.train_base.labels)
 

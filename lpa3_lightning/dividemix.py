@@ -83,9 +83,8 @@ def clean_probability_per_class(losses: Tensor, labels: Tensor, num_classes: int
     """
     if labels.shape != losses.shape:
         raise ValueError(f"`labels` must have the losses' shape {tuple(losses.shape)}, got {tuple(labels.shape)}.")
+    check_class_labels(labels, num_classes, name="labels")
     labels = labels.to(losses.device).long()
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(f"`labels` must lie in [0, num_classes={num_classes}).")
     prob = clean_probability(losses, seed=seed)
     for c in range(num_classes):
         rows = (labels == c).nonzero().flatten()
@@ -132,7 +131,7 @@ def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int, count
     selected = torch.zeros_like(losses, dtype=torch.float32)
     for c in range(num_classes):
         rows = (labels == c).nonzero().flatten()
-        take = min(int(shares[c]), rows.numel())
+        take = int(shares[c])  # a share never exceeds its class (see above)
         if take:
             selected[rows[torch.sort(losses[rows], stable=True).indices[:take]]] = 1.0
     return selected

@@ -266,8 +266,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                 if 0 < count < len(mean_loss):  # a split with an empty side fixes nothing: wait for a real one
                     counts.setdefault(name, count)
                 if name in counts:
-                    state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"].to(mean_loss.device),
-                                                                     self._dm_sizes()[1], counts[name])
+                    state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"], self._dm_sizes()[1],
+                                                                     counts[name])
         return dict(state["clean_prob"])
 
     def dividemix_clean_probability(self, network: str) -> Tensor:
