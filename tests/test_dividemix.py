@@ -118,6 +118,8 @@ def test_the_stratified_selection_takes_each_class_share_of_its_lowest_losses():
             stratified_selection(losses, labels, num_classes=5, count=bad)
     with pytest.raises(ValueError, match="Labels out of range: `labels`.*for 3 classes"):
         stratified_selection(losses, labels, num_classes=3, count=5)
+    with pytest.raises(ValueError, match="`losses` and `labels` must be 1-D of one shape.*Fix"):
+        stratified_selection(losses, labels[:50], num_classes=5, count=5)
 
 
 def test_the_stratified_selection_breaks_ties_towards_the_lower_class_and_the_lower_index():
