@@ -17,7 +17,8 @@ prior penalty the training set's class shares (``class_prior``; the prevalence, 
 an imbalanced medical set usually knows) instead of DivideMix's uniform prior;
 ``dividemix_st`` / ``dividemix_st_lpa3`` (not run by default) use the stratified split
 (``stratified_split=True``: the first split's labeled count, shared out by class, each class's
-lowest-loss rows).
+lowest-loss rows); ``dividemix_st_cp`` / ``dividemix_st_cp_lpa3`` (not run by default) both the
+stratified split and the class-share prior.
 One JSON per run in ``--out``; a finished
 run is not repeated. The summary prints mean +- std per method.
 """
@@ -37,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
-           "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3")
+           "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3", "dividemix_st_cp",
+           "dividemix_st_cp_lpa3")
 
 
 def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:
@@ -53,26 +55,27 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
     common = {"arch": "small_cnn", "in_channels": data.in_channels, "num_classes": data.num_classes}
     if method == "ce":
         return PESClassifier(**common, early_epochs=epochs, refine_epochs=0), None
-    if method.startswith("pes"):
-        # pes_lpa3_conf90: x' only of the unlabeled rows whose guess is >= 0.9 sure (a variant of ours)
+    # A method's name is its base and its options: lpa3 (the callback), conf90 (PES: x' only of the
+    # unlabeled rows whose guess is >= 0.9 sure), pc (DivideMix's mixture per noisy class), cp (the
+    # prior penalty with the training set's class shares, its prevalence, which the label noise does
+    # not change, instead of a uniform prior), st (the stratified split: the first split's count, by
+    # class, lowest losses). The last three are ours.
+    base, *options = method.split("_")
+    if base == "pes":
         module = PESClassifier(**common, early_epochs=warmup, refine_epochs=refine, lambda_u=lambda_u,
-                               lpa3_confidence=0.9 if method.endswith("_conf90") else None)
+                               lpa3_confidence=0.9 if "conf90" in options else None)
         start = warmup + refine
     else:
-        # dividemix_pc*: the split's Gaussian mixture fitted per noisy class (a variant of ours);
-        # dividemix_cp*: the prior penalty with the training set's class shares (its prevalence,
-        # which the label noise does not change) instead of a uniform prior;
-        # dividemix_st*: the stratified split (the first split's count, by class, lowest losses; ours)
         prior = None
-        if method.startswith("dividemix_cp"):
+        if "cp" in options:
             counts = np.bincount(np.asarray(data.clean_train_labels), minlength=data.num_classes)
             prior = (counts / counts.sum()).tolist()
         module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u,
-                                     split_per_class=method.startswith("dividemix_pc"), class_prior=prior,
-                                     stratified_split=method.startswith("dividemix_st"))
+                                     split_per_class="pc" in options, class_prior=prior,
+                                     stratified_split="st" in options)
         start = warmup
     callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=start, seed=0) \
-        if "_lpa3" in method else None
+        if "lpa3" in options else None
     return module, callback
 
 
