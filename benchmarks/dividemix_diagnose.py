@@ -34,17 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.noisy_setup import add_run_arguments, noisy_data, predict_test_split, watched_trainer  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--source", default="mnist5k", help="mnist5k (ships) or a MedMNIST flag with --root")
-    parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files")
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rate", type=float, default=0.8)
-    parser.add_argument("--lambda-u", type=float, default=25.0)
-    parser.add_argument("--batch-size", type=int, default=64)
+    add_run_arguments(parser)
     parser.add_argument("--lpa3", action="store_true", help="add LPA3Callback(ratio=0.9, sigma=0.02, steps=5)")
     parser.add_argument("--guess-bn-updates", action="store_true",
                         help="DivideMixClassifier.dividemix_guess_bn_updates = True (the authors' BatchNorm handling)")
@@ -72,28 +67,19 @@ def main() -> None:
                              "with w = 1 (the others w = 0)")
     parser.add_argument("--freeze-count", action="store_true",
                         help="with --balanced-split: the per-class count is the first split's, never raised after")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.freeze_count and not args.balanced_split:
         parser.error("--freeze-count needs --balanced-split (it fixes the balanced split's per-class count)")
     if args.oracle_split and args.balanced_split:
         parser.error("--oracle-split and --balanced-split are two different splits: pass one")
 
-    import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
     from torchmetrics.functional.classification import binary_auroc
 
     from lpa3_lightning import DivideMixClassifier, LPA3Callback
-    from lpa3_lightning.data import NoisyLabelDataModule
 
-    torch.set_num_threads(args.threads)
-    pl.seed_everything(args.seed)
-    data = NoisyLabelDataModule(args.source, root=args.root, noise_rate=args.rate, noise_mode="symmetric",
-                                noise_convention="other",
-                                seed=args.seed, batch_size=args.batch_size)
-    data.setup("fit")
-    data.setup("test")
+    data = noisy_data(args)
     is_clean = torch.as_tensor(data.noisy_train_labels == data.clean_train_labels)
     noisy_labels = torch.as_tensor(data.noisy_train_labels)
     class ReferenceEpochLength(DivideMixClassifier):
@@ -168,24 +154,12 @@ def main() -> None:
                 auroc = float(binary_auroc(w.cpu().float(), is_clean.long()))
                 parts.append(f"{name}: labeled {kept / len(w):.3f} precision {precision:.3f} recall {recall:.3f} "
                              f"AUROC {auroc:.3f}")
-            # one pass over one test loader, as noisy_table.py evaluates: a loader's iterator draws
-            # from the global RNG, so the run then follows the table's run of the same seed
-            correct, total = dict.fromkeys(("net1", "net2", "sum"), 0), 0
+            labels, predicted = predict_test_split(pl_module, data, {
+                "net1": pl_module.net1, "net2": pl_module.net2, "sum": lambda x: pl_module.net1(x) + pl_module.net2(x)})
+            accuracy = {key: float((value == labels).float().mean()) for key, value in predicted.items()}
             classes = pl_module.lpa3_num_classes
-            hits, seen = torch.zeros(classes), torch.zeros(classes)
-            was_training = pl_module.training
-            pl_module.eval()
-            with torch.no_grad():
-                for x, y, _ in data.test_dataloader():
-                    logits = {"net1": pl_module.net1(x), "net2": pl_module.net2(x)}
-                    logits["sum"] = logits["net1"] + logits["net2"]
-                    for key, value in logits.items():
-                        correct[key] += int((value.argmax(1) == y).sum())
-                    total += len(y)
-                    hits += torch.bincount(y[logits["sum"].argmax(1) == y], minlength=classes).float()
-                    seen += torch.bincount(y, minlength=classes).float()
-            pl_module.train(was_training)
-            accuracy = {key: value / total for key, value in correct.items()}
+            hits = torch.bincount(labels[predicted["sum"] == labels], minlength=classes).float()
+            seen = torch.bincount(labels, minlength=classes).float()
             split = "; ".join(parts) if parts else "warm-up (no split)"
             print(f"epoch {trainer.current_epoch:2d}: {split}; test acc net1 {accuracy['net1']:.3f} net2 "
                   f"{accuracy['net2']:.3f} sum {accuracy['sum']:.3f}", flush=True)
@@ -201,11 +175,7 @@ def main() -> None:
                       flush=True)
 
     print(f"clean labels: {int(is_clean.sum())} of {len(is_clean)}", flush=True)
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[*callbacks, Watch()],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=data)
-
+    watched_trainer(args.epochs, [*callbacks, Watch()]).fit(module, datamodule=data)
 
 if __name__ == "__main__":
     main()

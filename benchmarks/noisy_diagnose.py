@@ -17,7 +17,7 @@ runs the ``lpa3_confidence`` variant.
 
 Usage::
 
-    python benchmarks/noisy_diagnose.py --seed 0 --epochs 12 --warmup 5 --sigma 0.02 --ratio 0.9
+    python benchmarks/noisy_diagnose.py --seed 0 --epochs 12 --warmup 5 --sigma 0.02 --ratio 0.9 [--source pneumoniamnist --root <npz folder>]
 """
 
 from __future__ import annotations
@@ -27,36 +27,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.noisy_setup import add_run_arguments, noisy_data, predict_test_split, watched_trainer  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rate", type=float, default=0.8)
+    add_run_arguments(parser)
     parser.add_argument("--sigma", type=float, default=0.02)
     parser.add_argument("--ratio", type=float, default=0.9)
-    parser.add_argument("--lambda-u", type=float, default=25.0)
-    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--confidence", type=float, default=None, help="PESClassifier(lpa3_confidence=)")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
 
     from lpa3_lightning import LPA3Callback, PESClassifier
-    from lpa3_lightning.data import NoisyLabelDataModule
 
-    torch.set_num_threads(args.threads)
-    pl.seed_everything(args.seed)
-    data = NoisyLabelDataModule("mnist5k", noise_rate=args.rate, noise_mode="symmetric", noise_convention="other",
-                                seed=args.seed, batch_size=args.batch_size)
-    data.setup("fit")
-    data.setup("test")
+    data = noisy_data(args)
     clean = torch.as_tensor(data.clean_train_labels)
     noisy = torch.as_tensor(data.noisy_train_labels)
     module = PESClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
@@ -95,22 +84,14 @@ def main() -> None:
 
         def on_train_epoch_end(self, trainer, pl_module):
             c = self.counts
-            was_training = pl_module.training
-            pl_module.eval()
-            correct = 0
-            with torch.no_grad():
-                for x, y, _ in data.test_dataloader():
-                    correct += int((pl_module(x).argmax(1) == y).sum())
-            pl_module.train(was_training)
+            labels, predicted = predict_test_split(pl_module, data, {"model": pl_module})
+            accuracy = float((predicted["model"] == labels).float().mean())
             share = lambda a, b: f"{c[a] / c[b]:.3f}" if c[b] else "-"  # noqa: E731
             print(f"epoch {trainer.current_epoch:2d}: labeled clean {share('lab_clean', 'lab')}, guess right "
                   f"{share('guess_right', 'unl')}, x' label right {share('adv_right', 'adv')}, x' share "
-                  f"{share('adv', 'unl')}, test acc {correct / len(data.test_dataloader().dataset):.3f}", flush=True)
+                  f"{share('adv', 'unl')}, test acc {accuracy:.3f}", flush=True)
 
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[lpa3, Watch()],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=data)
+    watched_trainer(args.epochs, [lpa3, Watch()]).fit(module, datamodule=data)
 
 
 if __name__ == "__main__":
