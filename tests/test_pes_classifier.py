@@ -67,3 +67,16 @@ def test_dividemix_rows_carry_the_authors_settings_per_noise_level(tmp_path):
     assert asym.dividemix_lambda_u == 0.0 and asym.dividemix_negative_entropy
     c100 = model_of("cifar100_sym80_dividemix_lpa3.yaml")
     assert c100.dividemix_lambda_u == 150.0 and c100.dividemix_warmup_epochs == 30
+
+
+@pytest.mark.parametrize("config", ["mnist5k_sym80_dividemix_st.yaml", "mnist5k_sym80_dividemix_st_lpa3.yaml"])
+def test_the_stratified_rows_carry_the_settings_they_were_measured_with(config, tmp_path):
+    """The noisy_table.py ``dividemix_st`` rows: stratified split, warm-up 10 of 16 epochs, batch 64."""
+    args = ["--config", str(CONFIGS / config), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", f"--data.init_args.noise_file={tmp_path / 'noise.json'}"]
+    cli = build_cli(args, run=False)
+    model = cli.model
+    assert isinstance(model, DivideMixClassifier) and model.dividemix_stratified_split
+    assert not model.dividemix_split_per_class and model.dividemix_warmup_epochs == 10
+    assert cli.trainer.max_epochs == 16 and cli.datamodule.hparams.batch_size == 64
+    assert (cli.datamodule.noise_rate, cli.datamodule.noise_convention) == (0.8, "other")
