@@ -17,7 +17,8 @@ Trials of the split (not options of the package; each reads only what training s
 ``--oracle-split``): ``--oracle-split`` replaces the split by the truth, to test the
 semi-supervised phase alone; ``--balanced-split`` keeps the GMM's labeled count but spreads it
 evenly over the noisy classes (each class's lowest-loss rows); ``--freeze-count`` holds that
-count at the first split's.
+count at the first split's. ``--stratified-split`` is the package's option that grew out of the
+last two (``DivideMixClassifier(stratified_split=True)``).
 
 Usage::
 
@@ -53,6 +54,8 @@ def main() -> None:
                         help="DivideMixClassifier(class_prior=): the prior penalty's class frequencies")
     parser.add_argument("--split-per-class", action="store_true",
                         help="DivideMixClassifier(split_per_class=True): one Gaussian mixture per noisy class")
+    parser.add_argument("--stratified-split", action="store_true",
+                        help="DivideMixClassifier(stratified_split=True): the first split's count, by class, lowest losses")
     parser.add_argument("--reference-epoch-length", action="store_true",
                         help="end each semi-supervised epoch after one pass over the labeled set (the reference's "
                              "epoch length) instead of a pass over the whole set")
@@ -70,8 +73,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.freeze_count and not args.balanced_split:
         parser.error("--freeze-count needs --balanced-split (it fixes the balanced split's per-class count)")
-    if args.oracle_split and args.balanced_split:
-        parser.error("--oracle-split and --balanced-split are two different splits: pass one")
+    splits = [flag for flag, on in (("--oracle-split", args.oracle_split), ("--balanced-split", args.balanced_split),
+                                    ("--stratified-split", args.stratified_split)) if on]
+    if len(splits) > 1:
+        parser.error(f"{' and '.join(splits)} are different splits: pass one")
 
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -132,10 +137,10 @@ def main() -> None:
 
         module_class = BalancedSplit
     module = module_class(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                                 warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch,
-                                 alpha=args.alpha, threshold=args.threshold, split_per_class=args.split_per_class,
-                                 guess_bn_updates=args.guess_bn_updates, prior_weight=args.prior_weight,
-                                 class_prior=args.class_prior)
+                          warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch,
+                          alpha=args.alpha, threshold=args.threshold, split_per_class=args.split_per_class,
+                          stratified_split=args.stratified_split, guess_bn_updates=args.guess_bn_updates,
+                          prior_weight=args.prior_weight, class_prior=args.class_prior)
     callbacks: list[Callback] = []
     if args.lpa3:
         callbacks.append(LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=args.warmup, seed=0))
