@@ -7,7 +7,8 @@ probability ``w`` that a label is clean, and the *other* network trains with the
 ``w`` exceeds a threshold as labeled (co-divide). In its MixMatch step a labeled target is
 refined with the network's own prediction (``sharpen(w y + (1 - w) p)``) and an unlabeled
 target is guessed by both networks together (``sharpen`` of their mean over both views); a
-prior penalty keeps the mean prediction near uniform. The mixup and the two losses are
+prior penalty keeps the mean prediction near a prior (uniform in DivideMix; the class shares
+where they are known and unequal, see ``check_class_prior``). The mixup and the two losses are
 :mod:`lpa3_lightning.mixmatch`'s. Pure functions, no Lightning.
 """
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -131,6 +132,9 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         if split_per_class and stratified_split:
             raise ValueError("`split_per_class` and `stratified_split` are two different splits. Fix: set one of "
                              "them to False.")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # the GMM's random_state
+            raise ValueError(f"`seed` must be an int >= 0 (the Gaussian mixture's seed), got {seed!r}. Fix: e.g. "
+                             "seed=0.")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
         self.save_hyperparameters()
@@ -188,9 +192,9 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         from lpa3_lightning.callback import LPA3Callback
 
         if weight == 0 and any(isinstance(c, LPA3Callback) for c in self.trainer.callbacks):  # type: ignore[attr-defined]
-            raise ValueError("LPA3Callback is attached but the x' term's weight is 0 (lambda_u=0 and lpa3_weight=None), "
-                             "so every attack would train nothing. Fix: pass lpa3_weight=<weight> (e.g. 25), or "
-                             "drop the callback.")
+            why = "lpa3_weight=0" if self.dividemix_lpa3_weight is not None else "lambda_u=0 and lpa3_weight=None"
+            raise ValueError(f"LPA3Callback is attached but the x' term's weight is 0 ({why}), so every attack would "
+                             "train nothing. Fix: pass lpa3_weight=<weight> (e.g. 25), or drop the callback.")
         self._anchored = anchor_twins_without_callback(self.trainer, [self.net1, self.net2],
                                                        self.dividemix_warmup_epochs, "DivideMix")
 
@@ -203,8 +207,14 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         # the per-sample losses in the evaluation view when the data module offers it (DivideMix's are
         # without augmentation)
         dataset = getattr(getattr(self.trainer, "datamodule", None), "train_eval_dataset", None)
-        loader = whole_training_set_loader(self.trainer, self.global_rank, dataset) \
-            if self.dividemix_phase(epoch) == "semi" else []
+        semi = self.dividemix_phase(epoch) == "semi"
+        if semi and dataset is None and not getattr(self, "_warned_eval_view", False):
+            self._warned_eval_view = True
+            rank_zero_warn("DivideMix's split losses are taken on the training loader's dataset, so with its "
+                           "augmentation (the authors take them without). Fix: give the data module a "
+                           "`train_eval_dataset` (the same samples and noisy labels in the evaluation view), as "
+                           "NoisyLabelDataModule does.")
+        loader = whole_training_set_loader(self.trainer, self.global_rank, dataset) if semi else []
         self.dividemix_begin_epoch(epoch, loader)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

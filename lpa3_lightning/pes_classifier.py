@@ -31,12 +31,13 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
     The phases and the loss are :class:`~lpa3_lightning.mixins.PESLPA3Mixin`'s. Optimisation
     (manual, two optimizers): SGD (lr 0.02, momentum 0.9, weight decay 5e-4) with cosine
     annealing to ``lr / 100`` over the epochs outside the refine phase, stepped once an epoch,
-    for the early and semi-supervised phases; Adam (lr 1e-4) on the re-initialised head alone,
-    the rest left as it is, in the refine phase. The head is re-initialised in place, so SGD trains it
+    for the early and semi-supervised phases; Adam (lr 1e-4) on the re-initialised head alone in
+    the refine phase (the other weights stay; the forward runs in train mode, so BatchNorm running
+    statistics keep following the batches). The head is re-initialised in place, so SGD trains it
     in the semi-supervised phase, from fresh momentum (the authors' script builds its SGD before
     swapping in a new head, which is then never updated; ``freeze_head_in_semi=True`` reproduces
     that). In the refine phase every parameter gets its gradient (so DDP needs no unused-parameter
-    search) and Adam applies the head's; the rest stays as the early phase left it. Training
+    search) and Adam applies the head's; the other weights stay as the early phase left them. Training
     batches are ``(x_view1, x_view2, noisy_label, index)``; validation and test batches
     ``(x, y, index)`` with clean labels. Logs ``train/loss``, its parts, ``train/labeled_share``,
     ``val/acc`` and ``test/acc`` (torchmetrics). With ``LPA3Callback``, set its
@@ -151,6 +152,14 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._pes_sizes()  # a missing training-set size is named now, not at the semi phase
+        from lpa3_lightning.callback import LPA3Callback
+
+        attached = any(isinstance(c, LPA3Callback) for c in self.trainer.callbacks)  # type: ignore[attr-defined]
+        if self.pes_lambda_u == 0 and attached:
+            # x' are weighted like the unlabeled loss (lambda_u x ramp), so each attack would train nothing
+            raise ValueError("LPA3Callback is attached but lambda_u=0, the weight of the x' term, so every attack "
+                             "would train nothing. Fix: pass lambda_u > 0 (e.g. 25, or PES's 150), or drop the "
+                             "callback.")
         arg = self._alpha_late_epoch_arg
         max_epochs = self.trainer.max_epochs or 0
         counted = max_epochs - self.pes_refine_epochs  # the authors' refine epochs are not outer epochs
@@ -164,7 +173,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         epoch = self.current_epoch
-        self.pes_begin_epoch(epoch, whole_training_set_loader(self.trainer, self.global_rank) if self.pes_phase(epoch) == "semi" else [])
+        semi = self.pes_phase(epoch) == "semi"
+        self.pes_begin_epoch(epoch, whole_training_set_loader(self.trainer, self.global_rank) if semi else [])
         if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
             sgd, _ = self.optimizers()  # type: ignore[misc]
             for p in self.pes_head().parameters():  # the re-initialised head starts without momentum

@@ -158,6 +158,13 @@ def test_without_the_callback_it_is_plain_dividemix_predicting_with_both_network
     assert torch.allclose(module(x), module.net1(x) + module.net2(x))
 
 
+def test_split_losses_on_augmented_views_are_warned_about_once(tmp_path):
+    """A plain training loader has no evaluation view: the split then sees augmented images."""
+    with pytest.warns(UserWarning, match="train_eval_dataset") as caught:
+        _trainer(3, [], tmp_path, limit_train_batches=1).fit(_module(), _data())  # two semi epochs
+    assert sum("train_eval_dataset" in str(w.message) for w in caught) == 1
+
+
 def test_a_callback_that_attacks_during_the_warmup_is_warned_about(tmp_path):
     with pytest.warns(UserWarning, match="warmup_epochs=1"):
         _trainer(1, [LPA3Callback(steps=1, warmup_epochs=0)], tmp_path, limit_train_batches=1).fit(_module(), _data())
@@ -169,7 +176,8 @@ def test_a_callback_that_attacks_during_the_warmup_is_warned_about(tmp_path):
                                            ({"num_classes": 2, "class_prior": [0.3, 0.3]}, "class_prior"),
                                            ({"num_classes": 2, "class_prior": [0.2, 0.3, 0.5]}, "class_prior"),
                                            ({"split_per_class": True, "stratified_split": True},
-                                            "`split_per_class` and `stratified_split`")])
+                                            "`split_per_class` and `stratified_split`"),
+                                           ({"seed": -1}, "`seed`"), ({"seed": 1.5}, "`seed`")])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DivideMixClassifier(**kwargs)
@@ -177,5 +185,8 @@ def test_bad_arguments_are_refused_by_name(kwargs, match):
 
 def test_a_zero_weight_for_x_prime_is_refused_when_the_callback_attacks(tmp_path):
     trainer = _trainer(1, [LPA3Callback(steps=1, warmup_epochs=1)], tmp_path, limit_train_batches=1)
-    with pytest.raises(ValueError, match="lpa3_weight"):
+    with pytest.raises(ValueError, match=r"\(lambda_u=0 and lpa3_weight=None\)"):
         trainer.fit(_module(lambda_u=0.0), _data())
+    trainer = _trainer(1, [LPA3Callback(steps=1, warmup_epochs=1)], tmp_path, limit_train_batches=1)
+    with pytest.raises(ValueError, match=r"\(lpa3_weight=0\)"):  # the reason given is the one that applies
+        trainer.fit(_module(lpa3_weight=0.0), _data())

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
@@ -68,7 +69,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
             two-class set).
         seed: seed of the noise.
         noise_file: JSON file of the noisy labels: read when it exists (it must be for this
-            source's clean labels, mode and rate), written when missing; None: drawn from ``seed``.
+            source's clean labels, mode and rate; ``seed`` is then not used, and a file drawn with
+            another seed is used with a warning), written when missing; None: drawn from ``seed``.
         batch_size: training batch size; eval_batch_size: validation / test batch size.
         num_workers: data loader worker processes.
         download: download missing torchvision / MedMNIST files into ``root``.
@@ -193,9 +195,17 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         meta = self._noise_meta()
         if self.noise_file is not None and self.noise_file.is_file():
             # the seed may differ (a file is the way to reuse noise); what the noise is may not
-            labels, _ = load_noisy_labels(self.noise_file, clean, expected={
+            labels, file_meta = load_noisy_labels(self.noise_file, clean, expected={
                 k: meta[k] for k in ("source", "mode", "rate", "convention", "mapping")})
+            file_seed = file_meta.get("seed")
+            if file_seed is not None and file_seed != self.seed:
+                # a seed sweep that keeps one noise_file path would train every seed on the same noise
+                rank_zero_warn(f"`noise_file` {self.noise_file} holds the noise of seed {file_seed}, not of "
+                               f"seed={self.seed}: its labels are used as they are. Fix: for new noise per seed, "
+                               "give each seed its own noise_file (or delete this one).")
+            self._labels_seed = file_seed  # what the checkpoint records: the seed of the labels in use
             return labels
+        self._labels_seed = self.seed
         labels = noisy_labels(clean, self.noise_rate, self.num_classes, self.seed, self.noise_mode,
                               self.noise_convention, self.noise_mapping or "binary")
         trainer = getattr(self, "trainer", None)
@@ -238,7 +248,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         """The noisy labels and what they were drawn for (Lightning stores them in checkpoints)."""
         if self.noisy_train_labels is None:
             return {}
-        return {**self._noise_meta(), "noisy_labels": [int(v) for v in self.noisy_train_labels]}
+        return {**self._noise_meta(), "seed": getattr(self, "_labels_seed", self.seed),
+                "noisy_labels": [int(v) for v in self.noisy_train_labels]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Adopts a checkpoint's noisy labels (after ``setup``), refusing those of another source or size."""

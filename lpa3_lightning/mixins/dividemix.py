@@ -15,7 +15,8 @@ DivideMix trains two networks on noisy labels:
    labeled, the rest unlabeled. A labeled target is co-refined with the network's own mean
    prediction over both views, ``sharpen(w y + (1 - w) p)``; an unlabeled target is co-guessed by
    both networks over both views; all four view sets are mixed up with one permutation; the loss
-   is ``soft CE (labeled) + lambda_u * ramp * MSE (unlabeled) + KL(uniform || mean prediction)``.
+   is ``soft CE (labeled) + lambda_u * ramp * MSE (unlabeled) + prior_weight * KL(prior || mean
+   prediction)``, the prior uniform (the authors') unless ``class_prior`` gives the class shares.
    Evaluation adds both networks' logits.
 
 **LP-A3** (the paper's DivideMix rows; the authors released no code for them): each network has
@@ -79,9 +80,10 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
     """DivideMix's co-divide and MixMatch loss for two networks, with LP-A3 hard positives for each.
 
     Set :attr:`lpa3_num_classes` and :attr:`lpa3_num_samples` (training-set size), return the two
-    networks from :meth:`dividemix_model`, call :meth:`dividemix_begin_epoch` with a loader of the
-    training set at the start of every epoch and :meth:`dividemix_loss` in ``training_step``
-    (the ready :class:`~lpa3_lightning.DivideMixClassifier` does it all).
+    networks from :meth:`dividemix_model`, call :meth:`dividemix_begin_epoch` with a loader over
+    the whole training set (every sample, no ``drop_last``) at the start of every epoch and
+    :meth:`dividemix_losses` in ``training_step`` (it makes both co-guesses before either network's
+    training forward; the ready :class:`~lpa3_lightning.DivideMixClassifier` does it all).
 
     Attributes:
         dividemix_networks: the two networks' names (``("net1", "net2")``).

@@ -5,9 +5,10 @@ PES trains on noisy labels in three phases (by epoch):
 1. ``"early"`` (``pes_early_epochs``, T1): the whole network with cross-entropy on the noisy
    labels, stopped early, before it memorises the noise.
 2. ``"refine"`` (``pes_refine_epochs``, T2): the classifier head is re-initialised and trained
-   alone (the rest frozen) on the noisy labels. PES's paper re-trains later blocks in stages
-   too; the authors' semi-supervised code (the one LP-A3 was published with) re-initialises
-   the head only, and so does this mixin.
+   alone on the noisy labels (the other weights stay; BatchNorm running statistics still follow
+   the batches, as the forward runs in train mode). With T2 = 0 the head is not re-initialised.
+   PES's paper re-trains later blocks in stages too; the authors' semi-supervised code (the one
+   LP-A3 was published with) re-initialises the head only, and so does this mixin.
 3. ``"semi"``: every epoch, the training set is split by agreement: a sample whose noisy
    label equals the model's prediction (eval mode, mean over two augmented views) is
    labeled, the rest unlabeled; then MixMatch (Berthelot et al., 2019): the labeled views
@@ -105,10 +106,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
 
     Set :attr:`lpa3_num_classes` and :attr:`lpa3_num_samples` (training set size), return the
     network from ``lpa3_model()`` (and its classifier head from :meth:`pes_head` when it is not
-    the last ``nn.Linear``), call :meth:`pes_begin_epoch` with a loader of the training set at
-    the start of every epoch, and :meth:`pes_loss` in ``training_step``. The optimizer of the
-    refine phase must update the head only (the ready :class:`~lpa3_lightning.PESClassifier`
-    does it all).
+    the last ``nn.Linear``), call :meth:`pes_begin_epoch` with a loader over the whole training
+    set (every sample, no ``drop_last``) at the start of every epoch, and :meth:`pes_loss` in
+    ``training_step``. The optimizer of the refine phase must update the head only (the ready
+    :class:`~lpa3_lightning.PESClassifier` does it all).
 
     Attributes:
         pes_early_epochs: T1, epochs of the early-stopped first phase (authors: 20 on CIFAR-10,
@@ -193,8 +194,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     # ------------------------------------------------------------------ per epoch
     def pes_begin_epoch(self, epoch: int, loader: Any) -> None:
         """Phase changes at the start of ``epoch``: re-initialise the head when the refine
-        phase starts; in the semi phase, refresh the labeled/unlabeled split with ``loader``
-        (batches of the training set, as training gets them)."""
+        phase starts; in the semi phase, refresh the labeled/unlabeled split with ``loader``:
+        ``(view1, view2, noisy_label, index)`` batches that cover every training sample (no
+        ``drop_last``, not the balanced semi-phase sampler, which skips rows; the ready module
+        passes ``noisy_training.whole_training_set_loader``). A sample it leaves out is refused."""
         if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
             head = self.pes_head()
             for module in head.modules():
@@ -235,9 +238,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             dist.all_reduce(sums)
             dist.all_reduce(counts)
             dist.all_reduce(noisy, op=dist.ReduceOp.MAX)
-        seen = counts > 0
-        labeled = torch.zeros(num_samples, dtype=torch.bool, device=device)
-        labeled[seen] = agreement_split(sums[seen] / counts[seen, None], noisy[seen])
+        if bool((counts == 0).any()):  # an unseen row would silently be trained as unlabeled
+            raise ValueError(f"The split loader left {int((counts == 0).sum())} training samples out. Fix: pass a "
+                             "loader over the whole training set (no drop_last) to `pes_begin_epoch`.")
+        labeled = agreement_split(sums / counts[:, None], noisy)
         self._pes_labeled = labeled
         self._pes_class_weights = class_balance_weights(noisy[labeled], num_classes, self.pes_class_weight_cap)
         return labeled

@@ -36,8 +36,10 @@ def test_noise_file_is_written_then_read_and_a_file_for_another_rate_is_refused(
     first.setup("fit")
     assert path.is_file()
     again = NoisyLabelDataModule("mnist5k", noise_rate=0.5, seed=99, noise_file=str(path))  # the file wins
-    again.setup("fit")
+    with pytest.warns(UserWarning, match="holds the noise of seed 1, not of seed=99"):  # a seed sweep would not vary
+        again.setup("fit")
     assert np.array_equal(again.noisy_train_labels, first.noisy_train_labels)
+    assert again.state_dict()["seed"] == 1  # the checkpoint records the seed of the labels in use
     other = NoisyLabelDataModule("mnist5k", noise_rate=0.8, noise_file=str(path))
     with pytest.raises(ValueError, match="rate=0.5, not rate=0.8"):
         other.setup("fit")

@@ -106,6 +106,21 @@ def test_the_split_marks_samples_whose_noisy_label_the_model_predicts_on_both_vi
     assert torch.allclose(module._pes_class_weights, weights)
 
 
+def test_a_split_loader_that_leaves_samples_out_is_refused_with_the_fix():
+    """A row the split never saw would be trained as unlabeled without a word (e.g. the training
+    loader's dropped last batch, or the balanced sampler, which skips rows)."""
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False)
+    with pytest.raises(ValueError, match="left 8 training samples out.*whole training set"):
+        module.pes_refresh_split(DataLoader(NoisyTwoViews(), batch_size=10, drop_last=True))  # 40 of 48
+
+
+def test_lambda_u_zero_with_the_callback_is_refused_at_fit_start(tmp_path):
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=0,
+                           lambda_u=0.0)
+    with pytest.raises(ValueError, match="lambda_u=0"):
+        _fit(module, 1, LPA3Callback(steps=1, warmup_epochs=1), tmp_path)
+
+
 def test_loss_terms_in_the_early_and_semi_phases():
     torch.manual_seed(0)
     module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
