@@ -34,6 +34,11 @@ def test_each_noisy_config_parses(config, tmp_path):
         assert callbacks[0].ratio == 0.9 and callbacks[0].steps == 5
     if config.startswith("cifar"):
         assert data.noise_convention == "any" and model.hparams.arch == "preact_resnet18"
+    if isinstance(model, DivideMixClassifier):  # the class shares where the classes are unequal (ours)
+        prior = model.hparams.class_prior
+        assert (prior is not None) == config.startswith("pneumoniamnist"), prior
+        if prior is not None:  # PneumoniaMNIST's training set: 1,214 normal of 4,708
+            assert prior == pytest.approx([1214 / 4708, 1 - 1214 / 4708], abs=5e-4)
 
 
 def test_the_mnist5k_row_fits_from_the_command_line_for_one_epoch_of_each_phase(tmp_path):
