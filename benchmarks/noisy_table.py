@@ -19,7 +19,8 @@ an imbalanced medical set usually knows) instead of DivideMix's uniform prior;
 (``stratified_split=True``: the first split's labeled count, shared out by class, each class's
 lowest-loss rows); ``dividemix_st_cp`` / ``dividemix_st_cp_lpa3`` (not run by default) both the
 stratified split and the class-share prior; ``dividemix_pc_cp`` / ``dividemix_pc_cp_lpa3`` (not
-run by default) the mixture per class and the class-share prior; ``pes_lpa3_sigma002`` (not run by default) PES + LP-A3
+run by default) the mixture per class and the class-share prior; ``dividemix_pc_st*`` (not run by
+default) the stratified split with a mixture per class (each class keeps its first count); ``pes_lpa3_sigma002`` (not run by default) PES + LP-A3
 with sigma 0.002, the LP-A3 paper's setting for its 10-class noisy-label rows (CIFAR-10).
 One JSON per run in ``--out``; a finished
 run is not repeated. The summary prints mean +- std per method.
@@ -41,7 +42,8 @@ from benchmarks.timing import mean_std, run_processes  # noqa: E402
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
            "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3", "dividemix_st_cp",
-           "dividemix_st_cp_lpa3", "pes_lpa3_sigma002", "dividemix_pc_cp", "dividemix_pc_cp_lpa3")
+           "dividemix_st_cp_lpa3", "pes_lpa3_sigma002", "dividemix_pc_cp", "dividemix_pc_cp_lpa3",
+           "dividemix_pc_st", "dividemix_pc_st_lpa3", "dividemix_pc_st_cp", "dividemix_pc_st_cp_lpa3")
 
 
 def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:

@@ -94,15 +94,16 @@ def clean_probability_per_class(losses: Tensor, labels: Tensor, num_classes: int
     return prob
 
 
-def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int, count: int) -> Tensor:
+def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int,
+                         count: int | list[int] | tuple[int, ...]) -> Tensor:
     """``count`` rows marked clean (1.0, the rest 0.0), each noisy class's lowest-loss rows.
 
-    The count is shared out over the noisy classes in proportion to their sizes (largest
-    remainder, ties to the lower class), and each class fills its share with its own
-    lowest-loss rows (ties to the lower index); every share fits its class, so exactly ``count``
-    rows are marked. Ours, not DivideMix's (see ``DivideMixLPA3Mixin.dividemix_stratified_split``): the loss
-    ranks the labels of one class well, while one threshold over every class starves the classes
-    the network finds hard.
+    An int ``count`` is shared out over the noisy classes in proportion to their sizes (largest
+    remainder, ties to the lower class); a list (or tuple) gives each class its own count. Each class
+    fills its share with its own lowest-loss rows (ties to the lower index); every share fits
+    its class, so exactly ``sum`` of the shares rows are marked. Ours, not DivideMix's (see
+    ``DivideMixLPA3Mixin.dividemix_stratified_split``): the loss ranks the labels of one class
+    well, while one threshold over every class starves the classes the network finds hard.
 
     Shape:
         - losses: ``(N,)``; labels: ``(N,)`` noisy labels in ``[0, num_classes)``; output ``(N,)``
@@ -113,22 +114,28 @@ def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int, count
         >>> labels = torch.tensor([0, 0, 0, 1, 1, 1])
         >>> stratified_selection(losses, labels, num_classes=2, count=2).tolist()
         [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        >>> stratified_selection(losses, labels, num_classes=2, count=[2, 0]).tolist()
+        [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     """
     if losses.dim() != 1 or labels.shape != losses.shape:
         raise ValueError(f"`losses` and `labels` must be 1-D of one shape, got {tuple(losses.shape)} and "
                          f"{tuple(labels.shape)}. Fix: one loss and one noisy label per training sample.")
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= losses.numel():
-        raise ValueError(f"`count` must be an int in [0, {losses.numel()}], got {count!r}. Fix: the number of "
-                         "rows to mark clean, at most the number of samples.")
+    per_class = isinstance(count, (list, tuple))
+    if not per_class and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= losses.numel()):
+        raise ValueError(f"`count` must be an int in [0, {losses.numel()}] or a list of one int per class, got "
+                         f"{count!r}. Fix: the number of rows to mark clean, at most the number of samples.")
     check_class_labels(labels, num_classes, name="labels")
     labels = labels.to(losses.device).long()
-    sizes = torch.bincount(labels.cpu(), minlength=num_classes).double()
-    quota = count * sizes / max(1, labels.numel())
-    shares = quota.floor().long()
-    remainder = count - int(shares.sum())
-    if remainder > 0:  # largest fractional parts first; a stable sort sends ties to the lower class
-        order = torch.sort(quota - shares.double(), descending=True, stable=True).indices
-        shares[order[:remainder]] += 1
+    sizes = torch.bincount(labels.cpu(), minlength=num_classes)
+    if per_class:
+        shares = _class_counts(count, sizes)
+    else:
+        quota = count * sizes.double() / max(1, labels.numel())
+        shares = quota.floor().long()
+        remainder = count - int(shares.sum())
+        if remainder > 0:  # largest fractional parts first; a stable sort sends ties to the lower class
+            order = torch.sort(quota - shares.double(), descending=True, stable=True).indices
+            shares[order[:remainder]] += 1
     selected = torch.zeros_like(losses, dtype=torch.float32)
     for c in range(num_classes):
         rows = (labels == c).nonzero().flatten()
@@ -193,3 +200,16 @@ def negative_entropy(logits: Tensor) -> Tensor:
     """Mean over the batch of ``sum_c p_c log p_c`` (DivideMix's warm-up penalty for asymmetric noise)."""
     log_p = F.log_softmax(logits.float(), dim=1)
     return (log_p.exp() * log_p).sum(1).mean()
+
+
+def _class_counts(counts: list[int] | tuple[int, ...], sizes: Tensor) -> Tensor:
+    """``counts`` as a ``(C,)`` tensor, refused unless it holds one int per class within the class's size."""
+    values = list(counts)
+    if len(values) != len(sizes) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"`count` as a list must hold one int per class ({len(sizes)}), got {values!r}. Fix: "
+                         "each noisy class's number of rows to mark clean.")
+    shares = torch.tensor(values, dtype=torch.long)
+    if bool((shares < 0).any()) or bool((shares > sizes).any()):
+        raise ValueError(f"`count` per class must lie in [0, class size] (sizes {sizes.tolist()}), got {values}. "
+                         "Fix: no class can mark more rows than it holds.")
+    return shares

@@ -68,8 +68,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
             mixture.
         stratified_split: label as clean the first split's number of rows, shared out over the
             noisy classes by size, each class's lowest-loss rows (ours; see
-            ``DivideMixLPA3Mixin.dividemix_stratified_split``); False: the GMM's posterior, as the
-            authors. Not with ``split_per_class``.
+            ``DivideMixLPA3Mixin.dividemix_stratified_split``); with ``split_per_class`` each class
+            keeps its own first mixture's count instead. False: the GMM's posterior, as the authors.
         prior_weight: weight of the prior penalty ``KL(prior || mean prediction)`` (1, the
             authors'; 0 turns it off).
         class_prior: the penalty's class frequencies (``num_classes`` numbers summing to 1); None:
@@ -129,9 +129,6 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         if not prior_weight >= 0:
             raise ValueError(f"`prior_weight` must be >= 0, got {prior_weight!r}. Fix: 1 (the authors') or 0 (off).")
         prior = None if class_prior is None else check_class_prior(class_prior, num_classes)
-        if split_per_class and stratified_split:
-            raise ValueError("`split_per_class` and `stratified_split` are two different splits. Fix: set one of "
-                             "them to False.")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # the GMM's random_state
             raise ValueError(f"`seed` must be an int >= 0 (the Gaussian mixture's seed), got {seed!r}. Fix: e.g. "
                              "seed=0.")

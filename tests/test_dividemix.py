@@ -122,6 +122,24 @@ def test_the_stratified_selection_takes_each_class_share_of_its_lowest_losses():
         stratified_selection(losses, labels[:50], num_classes=5, count=5)
 
 
+def test_the_stratified_selection_with_a_count_per_class_takes_that_many_of_each_class_lowest_losses():
+    g = torch.Generator().manual_seed(1)
+    labels = torch.cat([torch.full((n,), c) for c, n in enumerate((50, 30, 17, 3))])[torch.randperm(100, generator=g)]
+    losses = torch.rand(100, generator=g)
+    for counts in ([0, 0, 0, 0], [50, 0, 5, 3], [7, 30, 1, 0]):
+        selected = stratified_selection(losses, labels, num_classes=4, count=counts)
+        for c in range(4):  # a plain loop: the class's rows sorted by loss, its count first
+            rows = [i for i in range(100) if int(labels[i]) == c]
+            lowest = sorted(rows, key=lambda i: float(losses[i]))[: counts[c]]
+            assert sorted(i for i in rows if selected[i] == 1.0) == sorted(lowest), (counts, c)
+    assert stratified_selection(losses, labels, num_classes=4, count=(1, 2, 3, 0)).sum() == 6  # a tuple too
+    for bad, match in (([1, 2, 3], "one int per class"), ([1, 2, 3, 0.5], "one int per class"),
+                       ([1, True, 3, 0], "one int per class"), ([51, 0, 0, 0], "class size"),
+                       ([0, -1, 0, 0], "class size")):
+        with pytest.raises(ValueError, match=match):
+            stratified_selection(losses, labels, num_classes=4, count=bad)
+
+
 def test_the_stratified_selection_breaks_ties_towards_the_lower_class_and_the_lower_index():
     labels = torch.tensor([0, 1, 0, 1, 0, 1])  # two classes of 3: a count of 3 leaves a tie of remainders
     losses = torch.full((6,), 0.5)  # every loss equal: the lower indices win within a class

@@ -175,8 +175,6 @@ def test_a_callback_that_attacks_during_the_warmup_is_warned_about(tmp_path):
                                            ({"prior_weight": -1.0}, "prior_weight"),
                                            ({"num_classes": 2, "class_prior": [0.3, 0.3]}, "class_prior"),
                                            ({"num_classes": 2, "class_prior": [0.2, 0.3, 0.5]}, "class_prior"),
-                                           ({"split_per_class": True, "stratified_split": True},
-                                            "`split_per_class` and `stratified_split`"),
                                            ({"seed": -1}, "`seed`"), ({"seed": 1.5}, "`seed`")])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):

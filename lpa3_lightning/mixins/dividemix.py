@@ -110,8 +110,10 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             first semi-supervised epoch's. Ours, not the authors' (measured in the project's
             results: at 80% noise the GMM's labeled count grows as the networks fit the noisy
             rows they were given, and one threshold starves the hard classes). Until a GMM split
-            has both a labeled and an unlabeled row, its posterior is used as is. False (default):
-            the GMM's posterior, as the authors. Not with ``dividemix_split_per_class``.
+            has both a labeled and an unlabeled row, its posterior is used as is. With
+            ``dividemix_split_per_class`` each class keeps the count of its own first mixture
+            instead (for classes whose clean shares differ, e.g. a flip of imbalanced binary
+            labels). False (default): the GMM's posterior, as the authors.
         dividemix_prior_weight: weight of the prior penalty (1, the authors'; 0 turns it off).
         dividemix_class_prior: the penalty's class frequencies (``C`` numbers summing to 1); None
             (default): uniform, as the authors (right for balanced classes).
@@ -246,9 +248,6 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
 
     def dividemix_refresh_split(self, loader: Any) -> dict[str, Tensor]:
         """Per network, the probability ``(N,)`` that each label is clean (the GMM's low-loss posterior)."""
-        if self.dividemix_split_per_class and self.dividemix_stratified_split:
-            raise ValueError("`dividemix_split_per_class` and `dividemix_stratified_split` are two different "
-                             "splits. Fix: set one of them to False.")
         state = self._dm_state()
         losses = self.dividemix_per_sample_losses(loader)
         for name, loss in losses.items():
@@ -263,10 +262,15 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                 state["clean_prob"][name] = clean_probability(mean_loss, seed=self.dividemix_seed)
             if self.dividemix_stratified_split:
                 # the first split's count, kept: later GMMs count the noisy rows the networks have fitted
-                count = int((state["clean_prob"][name] > self.dividemix_threshold).sum())
+                labeled = state["clean_prob"][name] > self.dividemix_threshold
+                count = int(labeled.sum())
                 counts = state.setdefault("stratified_count", {})
                 if 0 < count < len(mean_loss):  # a split with an empty side fixes nothing: wait for a real one
-                    counts.setdefault(name, count)
+                    # with a mixture per class each class keeps its own first count (where the classes'
+                    # clean shares differ, sharing one count by class size misfills them)
+                    counts.setdefault(name, torch.bincount(state["labels"][labeled.cpu()],
+                                                           minlength=self._dm_sizes()[1]).tolist()
+                                      if self.dividemix_split_per_class else count)
                 if name in counts:
                     state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"], self._dm_sizes()[1],
                                                                      counts[name])
@@ -437,6 +441,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         state = self._dm_state()
         state["clean_prob"] = dict(saved.get("clean_prob", {}))
         state["history"] = {k: list(v) for k, v in saved.get("history", {}).items()}
-        state["stratified_count"] = {k: int(v) for k, v in saved.get("stratified_count", {}).items()}
+        state["stratified_count"] = {k: int(v) if isinstance(v, int) else [int(c) for c in v]
+                                     for k, v in saved.get("stratified_count", {}).items()}
         state["guess"] = {}
 

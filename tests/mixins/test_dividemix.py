@@ -143,9 +143,39 @@ def test_the_stratified_split_keeps_the_first_splits_count_and_each_class_lowest
     resumed.b.load_state_dict(module.b.state_dict())
     after_resume = resumed.dividemix_refresh_split(loader)  # the restored count, not a fresh GMM's
     assert all(int(after_resume[name].sum()) == counts[name] for name in counts)
-    module.dividemix_split_per_class = True
-    with pytest.raises(ValueError, match="two different splits"):
-        module.dividemix_refresh_split(loader)
+
+
+def test_the_stratified_split_with_a_mixture_per_class_keeps_each_class_first_count():
+    """split_per_class and stratified_split: each class keeps the count its own first mixture
+    labeled (not one total shared by class size), through a change of the networks and a resume."""
+    data = NoisyTwoViews(N)
+    fixed = [data[i] for i in range(N)]
+    module = TwoNets()
+    module.dividemix_stratified_split = module.dividemix_split_per_class = True
+    loader = DataLoader(fixed, batch_size=10, shuffle=False)
+    x1 = torch.stack([row[0] for row in fixed])
+
+    def per_class_counts(net):
+        with torch.no_grad():
+            losses = normalized_losses(F.cross_entropy(net.eval()(x1), data.noisy, reduction="none"))
+        labeled = clean_probability_per_class(losses, data.noisy, NUM_CLASSES) > 0.5
+        return torch.bincount(data.noisy[labeled], minlength=NUM_CLASSES).tolist()
+
+    expected = {"net1": per_class_counts(module.a), "net2": per_class_counts(module.b)}
+    first = module.dividemix_refresh_split(loader)
+    for name in expected:
+        assert torch.bincount(data.noisy[first[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    assert any(per_class_counts(net) != expected[name] for name, net in (("net1", module.a), ("net2", module.b)))
+    second = module.dividemix_refresh_split(loader)
+    for name in expected:
+        assert torch.bincount(data.noisy[second[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
+    resumed = TwoNets()
+    resumed.dividemix_stratified_split = resumed.dividemix_split_per_class = True
+    resumed.dividemix_load_state_dict(module.dividemix_state_dict())
+    assert resumed._dm_state()["stratified_count"] == expected
 
 
 def test_the_split_refuses_a_loader_that_leaves_samples_out():
