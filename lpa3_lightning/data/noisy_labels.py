@@ -264,6 +264,7 @@ class NoisyLabelDataModule(pl.LightningDataModule):
                 raise ValueError(f"The checkpoint has {len(labels)} noisy labels, the training set {len(self.train_dataset)} "
                                  "images. Fix: point `root` at the data the checkpoint was trained on.")
             self.noisy_train_labels = labels
+            self._labels_seed = state_dict.get("seed")  # the labels in use are the checkpoint's
             self.train_dataset.labels = torch.as_tensor(labels)
             if self.train_eval_dataset is not None:
                 self.train_eval_dataset.labels = torch.as_tensor(labels)

@@ -112,8 +112,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             rows they were given, and one threshold starves the hard classes). Until a GMM split
             has both a labeled and an unlabeled row, its posterior is used as is. With
             ``dividemix_split_per_class`` each class keeps the count of its own first mixture
-            instead (for classes whose clean shares differ, e.g. a flip of imbalanced binary
-            labels). False (default): the GMM's posterior, as the authors.
+            instead, from the first split where every class has both sides (for classes whose
+            clean shares differ, e.g. a flip of imbalanced binary labels). False (default): the
+            GMM's posterior, as the authors.
         dividemix_prior_weight: weight of the prior penalty (1, the authors'; 0 turns it off).
         dividemix_class_prior: the penalty's class frequencies (``C`` numbers summing to 1); None
             (default): uniform, as the authors (right for balanced classes).
@@ -261,20 +262,35 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             else:
                 state["clean_prob"][name] = clean_probability(mean_loss, seed=self.dividemix_seed)
             if self.dividemix_stratified_split:
-                # the first split's count, kept: later GMMs count the noisy rows the networks have fitted
-                labeled = state["clean_prob"][name] > self.dividemix_threshold
-                count = int(labeled.sum())
-                counts = state.setdefault("stratified_count", {})
-                if 0 < count < len(mean_loss):  # a split with an empty side fixes nothing: wait for a real one
-                    # with a mixture per class each class keeps its own first count (where the classes'
-                    # clean shares differ, sharing one count by class size misfills them)
-                    counts.setdefault(name, torch.bincount(state["labels"][labeled.cpu()],
-                                                           minlength=self._dm_sizes()[1]).tolist()
-                                      if self.dividemix_split_per_class else count)
-                if name in counts:
-                    state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"], self._dm_sizes()[1],
-                                                                     counts[name])
+                self._dm_hold_first_count(name, mean_loss)
         return dict(state["clean_prob"])
+
+    def _dm_hold_first_count(self, name: str, mean_loss: Tensor) -> None:
+        """``dividemix_stratified_split``: keep the first real split's count (one total, or one per
+        class with ``dividemix_split_per_class``) and relabel ``name``'s rows by it."""
+        state = self._dm_state()
+        num_classes = self._dm_sizes()[1]
+        labeled = state["clean_prob"][name] > self.dividemix_threshold
+        counts = state.setdefault("stratified_count", {})
+        if name not in counts:  # the first split's count, kept: later GMMs count the noisy rows the networks fitted
+            if self.dividemix_split_per_class:
+                # each class its own count (where the classes' clean shares differ, one count shared by
+                # class size misfills them); a class with an empty side fixes nothing: wait for a real split
+                per_class = torch.bincount(state["labels"][labeled.cpu()], minlength=num_classes)
+                sizes = torch.bincount(state["labels"], minlength=num_classes)
+                present = sizes > 0
+                if bool(((per_class[present] > 0) & (per_class[present] < sizes[present])).all()):
+                    counts[name] = per_class.tolist()
+            elif 0 < int(labeled.sum()) < len(mean_loss):  # a split with an empty side fixes nothing
+                counts[name] = int(labeled.sum())
+        if name not in counts:
+            return
+        if isinstance(counts[name], list) != self.dividemix_split_per_class:
+            kept = "one count per class" if isinstance(counts[name], list) else "one total count"
+            raise ValueError(f"The DivideMix state holds {kept} for {name!r} (from a checkpoint), but "
+                             f"`split_per_class` is {self.dividemix_split_per_class}. Fix: resume with the "
+                             "`split_per_class` the checkpoint was trained with.")
+        state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"], num_classes, counts[name])
 
     def dividemix_clean_probability(self, network: str) -> Tensor:
         """The clean probabilities ``(N,)`` estimated by ``network``'s GMM."""
@@ -441,7 +457,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         state = self._dm_state()
         state["clean_prob"] = dict(saved.get("clean_prob", {}))
         state["history"] = {k: list(v) for k, v in saved.get("history", {}).items()}
-        state["stratified_count"] = {k: int(v) if isinstance(v, int) else [int(c) for c in v]
+        state["stratified_count"] = {k: [int(c) for c in v] if isinstance(v, (list, tuple)) else int(v)
                                      for k, v in saved.get("stratified_count", {}).items()}
         state["guess"] = {}
 

@@ -66,6 +66,7 @@ def test_state_dict_restores_the_noisy_labels_of_a_checkpoint(dm):
     fresh.load_state_dict(state)
     assert np.array_equal(fresh.noisy_train_labels, dm.noisy_train_labels)
     assert torch.equal(fresh.train_dataset.labels, torch.as_tensor(dm.noisy_train_labels))
+    assert fresh.state_dict()["seed"] == dm.state_dict()["seed"] != 5  # the labels in use are the checkpoint's
     with pytest.raises(ValueError, match="source"):
         fresh.load_state_dict({**state, "source": "cifar10"})
 

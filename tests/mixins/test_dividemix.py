@@ -56,29 +56,37 @@ def test_each_network_trains_on_the_split_of_the_other():
     assert torch.equal(request.indices, torch.arange(12)[w1[:12] <= 0.5])
 
 
+class _IndexOracle(nn.Module):
+    """Answers each image's clean label (each image carries its index), except on the indices in
+    ``wrong`` (the next class): a network whose per-sample losses are planted."""
+
+    def __init__(self, data: NoisyTwoViews, wrong: torch.Tensor) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.data, self.wrong = data, wrong
+
+    def forward(self, x):
+        i = x[:, 0, 0, 0].round().long()
+        label = torch.where(self.wrong[i], (self.data.clean[i] + 1) % NUM_CLASSES, self.data.clean[i])
+        return self.scale * 6.0 * F.one_hot(label, NUM_CLASSES).float()
+
+
+def _oracles(wrong1: torch.Tensor, wrong2: torch.Tensor) -> tuple[TwoNets, NoisyTwoViews, list]:
+    """Two oracle networks and the images that carry their index, with the noisy labels."""
+    data = NoisyTwoViews(N)
+    by_index = [(torch.full((1, 4, 4), float(i)), torch.full((1, 4, 4), float(i)), data.noisy[i], i) for i in range(N)]
+    module = TwoNets()
+    module.a, module.b = _IndexOracle(data, wrong1), _IndexOracle(data, wrong2)
+    return module, data, by_index
+
+
 def test_the_split_marks_the_samples_whose_noisy_label_has_a_high_loss():
     """A network that predicts the clean labels: the flipped samples get a low clean probability."""
     data = NoisyTwoViews(N)
     flipped = data.noisy != data.clean
-    by_index = [(torch.full((1, 4, 4), float(i)), torch.full((1, 4, 4), float(i)), data.noisy[i], i) for i in range(N)]
-
-    class Oracle(nn.Module):
-        """Answers each image's clean label, except on the indices in ``wrong`` (the next class)."""
-
-        def __init__(self, wrong: torch.Tensor) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(()))
-            self.wrong = wrong
-
-        def forward(self, x):  # each image carries its index
-            i = x[:, 0, 0, 0].round().long()
-            label = torch.where(self.wrong[i], (data.clean[i] + 1) % NUM_CLASSES, data.clean[i])
-            return self.scale * 6.0 * F.one_hot(label, NUM_CLASSES).float()
-
     # network 1 knows every clean label; network 2 is wrong on the even indices that are not flipped
     even = torch.arange(N) % 2 == 0
-    module = TwoNets()
-    module.a, module.b = Oracle(torch.zeros(N, dtype=torch.bool)), Oracle(even & ~flipped)
+    module, data, by_index = _oracles(torch.zeros(N, dtype=torch.bool), even & ~flipped)
     prob = module.dividemix_refresh_split(DataLoader(by_index, batch_size=10, shuffle=True))
     assert bool((prob["net1"][flipped] < 0.1).all()) and bool((prob["net1"][~flipped] > 0.9).all())
     suspicious = flipped | even  # for network 2 the even clean samples look noisy too
@@ -149,33 +157,66 @@ def test_the_stratified_split_with_a_mixture_per_class_keeps_each_class_first_co
     """split_per_class and stratified_split: each class keeps the count its own first mixture
     labeled (not one total shared by class size), through a change of the networks and a resume."""
     data = NoisyTwoViews(N)
-    fixed = [data[i] for i in range(N)]
-    module = TwoNets()
+    flipped, idx = data.noisy != data.clean, torch.arange(N)
+    # every class needs rows on both sides: the oracles also err on some clean rows of each class
+    def errs_in_each_class(period: int, a: int, b: int) -> torch.Tensor:
+        # the noisy labels run 1, 1, 2, ...: a row with idx % 3 == 1 is in class 1, == 2 in class 2
+        return ~flipped & ((idx % period == a) | (idx % period == b))
+
+    module, data, by_index = _oracles(errs_in_each_class(6, 1, 2), errs_in_each_class(9, 4, 5))
     module.dividemix_stratified_split = module.dividemix_split_per_class = True
-    loader = DataLoader(fixed, batch_size=10, shuffle=False)
-    x1 = torch.stack([row[0] for row in fixed])
-
-    def per_class_counts(net):
-        with torch.no_grad():
-            losses = normalized_losses(F.cross_entropy(net.eval()(x1), data.noisy, reduction="none"))
-        labeled = clean_probability_per_class(losses, data.noisy, NUM_CLASSES) > 0.5
-        return torch.bincount(data.noisy[labeled], minlength=NUM_CLASSES).tolist()
-
-    expected = {"net1": per_class_counts(module.a), "net2": per_class_counts(module.b)}
+    loader = DataLoader(by_index, batch_size=10, shuffle=False)
     first = module.dividemix_refresh_split(loader)
-    for name in expected:
-        assert torch.bincount(data.noisy[first[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    assert any(per_class_counts(net) != expected[name] for name, net in (("net1", module.a), ("net2", module.b)))
+    expected = {}
+    for name, net in (("net1", module.a), ("net2", module.b)):
+        labeled = ~(flipped | net.wrong)  # the rows the oracle answers with their noisy label
+        expected[name] = torch.bincount(data.noisy[labeled], minlength=NUM_CLASSES).tolist()
+        assert torch.equal(first[name], labeled.float()), name  # each class's lowest-loss rows, that many
+    assert expected["net1"] != expected["net2"]
+    module.a.wrong, module.b.wrong = errs_in_each_class(12, 1, 2), errs_in_each_class(6, 4, 5)  # the networks change
+    for name, net in (("net1", module.a), ("net2", module.b)):  # a fresh mixture would label other numbers
+        assert torch.bincount(data.noisy[~(flipped | net.wrong)], minlength=NUM_CLASSES).tolist() != expected[name]
     second = module.dividemix_refresh_split(loader)
-    for name in expected:
+    for name in expected:  # the counts held
         assert torch.bincount(data.noisy[second[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
-    resumed = TwoNets()
+    saved = module.dividemix_state_dict()
+    resumed, _, _ = _oracles(module.a.wrong, module.b.wrong)
     resumed.dividemix_stratified_split = resumed.dividemix_split_per_class = True
-    resumed.dividemix_load_state_dict(module.dividemix_state_dict())
+    resumed.dividemix_load_state_dict(saved)
     assert resumed._dm_state()["stratified_count"] == expected
+    after_resume = resumed.dividemix_refresh_split(loader)  # the restored counts are the ones used
+    for name in expected:
+        assert torch.bincount(data.noisy[after_resume[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
+    other_flags, _, _ = _oracles(module.a.wrong, module.b.wrong)  # per-class counts without split_per_class
+    other_flags.dividemix_stratified_split = True
+    other_flags.dividemix_load_state_dict(saved)
+    with pytest.raises(ValueError, match="one count per class.*`split_per_class` is False"):
+        other_flags.dividemix_refresh_split(loader)
+
+
+def test_the_per_class_count_waits_for_a_split_with_both_sides_in_every_class():
+    """A class whose first mixture labels all (or none) of its rows would be frozen that way for
+    the run: the counts are taken from the first split where every class has both sides."""
+    data = NoisyTwoViews(N)
+    flipped, idx = data.noisy != data.clean, torch.arange(N)
+    assert not bool(flipped[data.noisy == 2].any())  # class 2: every label clean
+    module, data, by_index = _oracles(torch.zeros(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool))
+    module.dividemix_stratified_split = module.dividemix_split_per_class = True
+    loader = DataLoader(by_index, batch_size=10, shuffle=False)
+    module.dividemix_refresh_split(loader)  # perfect oracles: class 2 is all clean, one side only
+    assert module._dm_state().get("stratified_count", {}) == {}
+    module.a.wrong = module.b.wrong = ~flipped & (idx % 6 == 2)  # now some rows of class 2 look noisy
+    module.dividemix_refresh_split(loader)
+    kept = module._dm_state()["stratified_count"]
+    sizes = torch.bincount(data.noisy, minlength=NUM_CLASSES).tolist()
+    assert set(kept) == {"net1", "net2"}
+    assert all(0 < counts[c] < sizes[c] for counts in kept.values() for c in range(NUM_CLASSES) if sizes[c])
+
+
+def test_a_restored_count_of_another_number_type_is_read_as_a_count():
+    module = TwoNets()
+    module.dividemix_load_state_dict({"stratified_count": {"net1": torch.tensor(7), "net2": (1, 2, 3, 4)}})
+    assert module._dm_state()["stratified_count"] == {"net1": 7, "net2": [1, 2, 3, 4]}
 
 
 def test_the_split_refuses_a_loader_that_leaves_samples_out():
