@@ -159,8 +159,8 @@ def main() -> None:
                 auroc = float(binary_auroc(w.cpu().float(), is_clean.long()))
                 parts.append(f"{name}: labeled {kept / len(w):.3f} precision {precision:.3f} recall {recall:.3f} "
                              f"AUROC {auroc:.3f}")
-            labels, predicted = predict_test_split(pl_module, data, {
-                "net1": pl_module.net1, "net2": pl_module.net2, "sum": lambda x: pl_module.net1(x) + pl_module.net2(x)})
+            labels, predicted = predict_test_split(pl_module, data, {  # "sum": the module's own prediction
+                "net1": pl_module.net1, "net2": pl_module.net2, "sum": pl_module})
             accuracy = {key: float((value == labels).float().mean()) for key, value in predicted.items()}
             classes = pl_module.lpa3_num_classes
             hits = torch.bincount(labels[predicted["sum"] == labels], minlength=classes).float()

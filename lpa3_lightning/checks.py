@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_class_labels", "check_class_prior", "check_dataset_indices", "count_out_of_range"]
+__all__ = ["check_class_labels", "check_class_prior", "check_dataset_indices", "check_split_loader_covered",
+           "count_out_of_range"]
 
 
 def _is_integer_tensor(t: object) -> bool:
@@ -104,3 +105,13 @@ def check_class_prior(prior: object, num_classes: int, name: str = "class_prior"
         raise ValueError(f"`{name}` must hold num_classes={num_classes} positive frequencies summing to 1, got "
                          f"{prior!r}. Fix: e.g. the training set's class shares, or None (uniform).")
     return values
+
+
+def check_split_loader_covered(visits: Tensor, begin_method: str) -> None:
+    """Refuse a split whose loader left training samples out (``visits``: times each sample was
+    seen); an unseen sample would silently land on the unlabeled side. ``begin_method`` names the
+    method the user passes the loader to."""
+    missing = int((visits == 0).sum())
+    if missing:
+        raise ValueError(f"The split loader left {missing} training samples out. Fix: pass a loader over the whole "
+                         f"training set (no drop_last) to `{begin_method}`.")

@@ -20,6 +20,7 @@ from lpa3_lightning.mixins.dividemix import DivideMixLPA3Mixin
 from lpa3_lightning.noisy_training import (
     adopt_training_set_size,
     anchor_twins_without_callback,
+    lpa3_callbacks,
     release_twins,
     whole_training_set_loader,
 )
@@ -115,11 +116,12 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        checks = [("warmup_epochs", warmup_epochs, 0), ("num_classes", num_classes, 2), ("loss_history", loss_history, 1)]
+        checks = [("warmup_epochs", warmup_epochs, 0), ("num_classes", num_classes, 2), ("loss_history", loss_history, 1),
+                  ("seed", seed, 0)]  # seed: the Gaussian mixture's random_state
         for name, value, low in checks + ([("num_samples", num_samples, 2)] if num_samples is not None else []):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. warmup_epochs=10, "
-                                 "loss_history=1, num_samples=<training set size>.")
+                                 "loss_history=1, seed=0, num_samples=<training set size>.")
         for name, value in (("lr", lr), ("temperature", temperature), ("alpha", alpha), ("rampup_epochs", rampup_epochs)):
             if not value > 0:
                 raise ValueError(f"`{name}` must be > 0, got {value!r}.")
@@ -129,9 +131,6 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         if not prior_weight >= 0:
             raise ValueError(f"`prior_weight` must be >= 0, got {prior_weight!r}. Fix: 1 (the authors') or 0 (off).")
         prior = None if class_prior is None else check_class_prior(class_prior, num_classes)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # the GMM's random_state
-            raise ValueError(f"`seed` must be an int >= 0 (the Gaussian mixture's seed), got {seed!r}. Fix: e.g. "
-                             "seed=0.")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
         self.save_hyperparameters()
@@ -186,9 +185,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
     def on_fit_start(self) -> None:
         self._dm_sizes()  # a missing training-set size is named now, not at the semi phase
         weight = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight
-        from lpa3_lightning.callback import LPA3Callback
-
-        if weight == 0 and any(isinstance(c, LPA3Callback) for c in self.trainer.callbacks):  # type: ignore[attr-defined]
+        if weight == 0 and lpa3_callbacks(self.trainer):
             why = "lpa3_weight=0" if self.dividemix_lpa3_weight is not None else "lambda_u=0 and lpa3_weight=None"
             raise ValueError(f"LPA3Callback is attached but the x' term's weight is 0 ({why}), so every attack would "
                              "train nothing. Fix: pass lpa3_weight=<weight> (e.g. 25), or drop the callback.")

@@ -43,15 +43,20 @@ def whole_training_set_loader(trainer: pl.Trainer, rank: int, dataset: Dataset |
     return DataLoader(dataset, batch_size=train.batch_size or 64, shuffle=False, sampler=sampler, num_workers=0)
 
 
+def lpa3_callbacks(trainer: pl.Trainer) -> list:
+    """The ``LPA3Callback`` instances attached to ``trainer``."""
+    from lpa3_lightning.callback import LPA3Callback
+
+    return [c for c in trainer.callbacks if isinstance(c, LPA3Callback)]  # type: ignore[attr-defined]
+
+
 def anchor_twins_without_callback(trainer: pl.Trainer, networks: list[nn.Module], semi_start: int,
                                   method: str) -> bool:
     """At fit start: warn when an ``LPA3Callback`` attacks before ``semi_start`` (no ``x'`` is trained
     there), and, without the callback under DDP, tie every twin BatchNorm into the loss (an unused
     parameter stalls DDP's gradient reducer; the callback does it itself). Returns whether it
     anchored (undo with :func:`release_twins`)."""
-    from lpa3_lightning.callback import LPA3Callback
-
-    callbacks = [c for c in trainer.callbacks if isinstance(c, LPA3Callback)]  # type: ignore[attr-defined]
+    callbacks = lpa3_callbacks(trainer)
     for callback in callbacks:
         if callback.warmup_epochs < semi_start:
             rank_zero_warn(f"LPA3Callback(warmup_epochs={callback.warmup_epochs}) attacks before {method}'s "

@@ -18,6 +18,7 @@ from lpa3_lightning.mixins.pes import PESLPA3Mixin, check_lpa3_confidence
 from lpa3_lightning.noisy_training import (
     adopt_training_set_size,
     anchor_twins_without_callback,
+    lpa3_callbacks,
     release_twins,
     whole_training_set_loader,
 )
@@ -152,10 +153,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._pes_sizes()  # a missing training-set size is named now, not at the semi phase
-        from lpa3_lightning.callback import LPA3Callback
-
-        attached = any(isinstance(c, LPA3Callback) for c in self.trainer.callbacks)  # type: ignore[attr-defined]
-        if self.pes_lambda_u == 0 and attached:
+        if self.pes_lambda_u == 0 and lpa3_callbacks(self.trainer):
             # x' are weighted like the unlabeled loss (lambda_u x ramp), so each attack would train nothing
             raise ValueError("LPA3Callback is attached but lambda_u=0, the weight of the x' term, so every attack "
                              "would train nothing. Fix: pass lambda_u > 0 (e.g. 25, or PES's 150), or drop the "

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from lpa3_lightning import checks
-from lpa3_lightning.checks import check_class_labels, check_class_prior, check_dataset_indices
+from lpa3_lightning.checks import (
+    check_class_labels,
+    check_class_prior,
+    check_dataset_indices,
+    check_split_loader_covered,
+)
 from lpa3_lightning.tcs import TimeConsistency
 
 
@@ -52,3 +57,9 @@ def test_a_class_prior_is_returned_as_floats_and_a_bad_one_is_refused_by_name():
     for prior in bad:
         with pytest.raises(ValueError, match="`my_prior` must hold num_classes=2 positive frequencies summing to 1"):
             check_class_prior(prior, 2, name="my_prior")
+
+
+def test_a_split_loader_that_missed_samples_is_refused_naming_the_count_and_the_method():
+    check_split_loader_covered(torch.tensor([1.0, 2.0, 1.0]), "pes_begin_epoch")  # every sample seen: accepted
+    with pytest.raises(ValueError, match="left 2 training samples out.*to `dividemix_begin_epoch`"):
+        check_split_loader_covered(torch.tensor([0.0, 1.0, 0.0]), "dividemix_begin_epoch")

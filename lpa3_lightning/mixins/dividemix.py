@@ -55,7 +55,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.augmented import LPA3Request
-from lpa3_lightning.checks import check_class_labels, check_class_prior, check_dataset_indices
+from lpa3_lightning.checks import (
+    check_class_labels,
+    check_class_prior,
+    check_dataset_indices,
+    check_split_loader_covered,
+)
 from lpa3_lightning.dividemix import (
     clean_probability,
     clean_probability_per_class,
@@ -240,9 +245,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             dist.all_reduce(sums)
             dist.all_reduce(counts)
             dist.all_reduce(label_sums)
-        if bool((counts == 0).any()):
-            raise ValueError(f"The split loader left {int((counts == 0).sum())} training samples out. Fix: pass a "
-                             "loader over the whole training set (no drop_last) to `dividemix_begin_epoch`.")
+        check_split_loader_covered(counts, "dividemix_begin_epoch")
         # a sample seen twice (a padded distributed sampler) carries its one label twice
         self._dm_state()["labels"] = (label_sums / counts).round().long().cpu()
         return {n: sums[k] / counts for k, n in enumerate(names)}
@@ -281,8 +284,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                 present = sizes > 0
                 if bool(((per_class[present] > 0) & (per_class[present] < sizes[present])).all()):
                     counts[name] = per_class.tolist()
-            elif 0 < int(labeled.sum()) < len(mean_loss):  # a split with an empty side fixes nothing
-                counts[name] = int(labeled.sum())
+            elif 0 < (total := int(labeled.sum())) < len(mean_loss):  # a split with an empty side fixes nothing
+                counts[name] = total
         if name not in counts:
             return
         if isinstance(counts[name], list) != self.dividemix_split_per_class:

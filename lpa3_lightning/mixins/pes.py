@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.augmented import LPA3Request
-from lpa3_lightning.checks import check_class_labels, check_dataset_indices
+from lpa3_lightning.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
 from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
 from lpa3_lightning.mixins.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.mixmatch import (
@@ -238,9 +238,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             dist.all_reduce(sums)
             dist.all_reduce(counts)
             dist.all_reduce(noisy, op=dist.ReduceOp.MAX)
-        if bool((counts == 0).any()):  # an unseen row would silently be trained as unlabeled
-            raise ValueError(f"The split loader left {int((counts == 0).sum())} training samples out. Fix: pass a "
-                             "loader over the whole training set (no drop_last) to `pes_begin_epoch`.")
+        check_split_loader_covered(counts, "pes_begin_epoch")
         labeled = agreement_split(sums / counts[:, None], noisy)
         self._pes_labeled = labeled
         self._pes_class_weights = class_balance_weights(noisy[labeled], num_classes, self.pes_class_weight_cap)
