@@ -4,7 +4,7 @@
 #
 #   DATA=<folder with medmnist/ and mnist5k/> OUT=<results folder> bash benchmarks/gpu_session.sh
 #
-# Writes to $OUT: env.txt, test_gpu.log, solver_speed.log, step_overhead.log, table.log and
+# Writes to $OUT: env.txt, test_gpu.log, solver_speed.log, step_overhead.log, profile_*.log, table_*.log and
 # table_runs.tgz (the per-run JSON files, table.md and time_to_accuracy.png).
 set -u
 OUT=${OUT:-runs/gpu}
@@ -17,16 +17,19 @@ mkdir -p "$OUT"
 lightning.__version__, 'torchmetrics', torchmetrics.__version__, 'torchvision', torchvision.__version__)"
 } > "$OUT/env.txt" 2>&1
 
-# 1. the GPU tests (CUDA tensors through the solver, callback, cache, resume; 32/16/bf16 precision)
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs > "$OUT/test_gpu.log" 2>&1
-# 2. solver speed against the authors' loop on the GPU
+# 1. the GPU tests (CUDA tensors through the solver, callback, cache, resume; 32/16/bf16 precision;
+#    the solver as a CUDA graph against the eager solve)
+timeout 180 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs > "$OUT/test_gpu.log" 2>&1
+# 2. solver speed against the authors' loop on the GPU (with the sync-free and CUDA-graph solvers)
 timeout 90 $PY benchmarks/solver_speed.py --device cuda --repeats 5 --data "$DATA" > "$OUT/solver_speed.log" 2>&1
 # 3. training overhead (one process per configuration, nothing else on the GPU)
-#    (lpa3 = the sync-free path, lpa3_eager = the default path: before/after in one run)
-timeout 150 $PY benchmarks/step_overhead.py --accelerator gpu --epochs 5 --ratio 0.3 > "$OUT/step_overhead.log" 2>&1
+#    (lpa3 = the sync-free path, lpa3_eager = the default path, lpa3_graphs = the solver as a CUDA
+#    graph: before/after in one run)
+timeout 210 $PY benchmarks/step_overhead.py --accelerator gpu --epochs 5 --ratio 0.3 > "$OUT/step_overhead.log" 2>&1
 # 3b. kernel launches per step, sync-free and default path
 timeout 60 $PY benchmarks/profile_step.py --accelerator gpu --sync-free true > "$OUT/profile_sync_free.log" 2>&1
 timeout 60 $PY benchmarks/profile_step.py --accelerator gpu --sync-free false > "$OUT/profile_eager.log" 2>&1
+timeout 60 $PY benchmarks/profile_step.py --accelerator gpu --sync-free true --cuda-graphs > "$OUT/profile_graphs.log" 2>&1
 # 4. the MedMNIST table, in the time left of ${SESSION_SECONDS:-540} s: BreastMNIST at 50 epochs and
 #    PneumoniaMNIST at 12, 16 runs at a time (6 + 10 processes share the GPU and the 16 cores);
 #    runs still going at the deadline stop after their epoch and are left out of the table

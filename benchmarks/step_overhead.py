@@ -8,9 +8,12 @@ batch 128, Adam, one process per configuration (so peak memory is per configurat
   lpa3            + LPA3Callback(ratio=--ratio (0.5, the MedMNIST table's), steps=5), default solver
                   (sync_free="auto": the sync-free per-batch path on a GPU, the default path on the CPU)
   lpa3_eager      the same with sync_free=False (the default path everywhere; on a GPU, the "before")
+  lpa3_graphs     the sync-free path with cuda_graphs=True (the solver replayed as a CUDA graph;
+                  on the CPU the padded rows solved eagerly)
   lpa3_fast       + the same with fast=True
   lpa3_cached     + the default solver with regenerate_every_n_epochs=10
   lpa3_cached_lazy  the same with attack_new_selections=False (solver in regeneration epochs only)
+  lpa3_cached_graphs  lpa3_cached with cuda_graphs=True
 Epoch 0 is a warm-up for every LP-A3 run (warmup_epochs=1: TCS fills, no attack), so the
 measured epochs select 30% as in steady state. Prints the median step time of the measured
 epochs, the ratio to the baseline, the peak resident memory, the amortized epoch time with
@@ -37,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import StepTimer, sync  # noqa: E402
-CONFIGS = ("baseline", "lpa3", "lpa3_eager", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy")
+CONFIGS = ("baseline", "lpa3", "lpa3_eager", "lpa3_graphs", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy",
+           "lpa3_cached_graphs")
 
 
 def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> dict:
@@ -52,11 +56,13 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # imports, data, no model yet
     timer = StepTimer()
     callbacks: list[Callback] = [timer]
+    graphs = config.endswith("_graphs")
     if config != "baseline":
         callbacks.append(LPA3Callback(ratio=ratio, steps=5, warmup_epochs=1, seed=0, fast=config == "lpa3_fast",
                                       regenerate_every_n_epochs=10 if config.startswith("lpa3_cached") else 1,
                                       attack_new_selections=config != "lpa3_cached_lazy",
-                                      sync_free=False if config == "lpa3_eager" else "auto"))
+                                      sync_free=False if config == "lpa3_eager" else True if graphs else "auto",
+                                      cuda_graphs=graphs))
     module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=config != "baseline")
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -75,6 +81,9 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
         "peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before),
     }
+    if graphs:  # how often the solve was captured (a capture costs a few eager solves) and replayed
+        solver_graphs = callbacks[-1].solver_graphs  # type: ignore[attr-defined]
+        result["captures"], result["replays"] = solver_graphs.captures, solver_graphs.replays
     if config == "lpa3":
         result["floor_s"] = _floor(module.to(device), ratio)
     return result
@@ -162,7 +171,7 @@ def main() -> None:
         epoch = statistics.median(r["epochs_s"].values())
         print(f"{config:16} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {epoch:8.2f} "
               f"{epoch / base_epoch:6.2f}x {r['peak_mb']:8.0f} {r['peak_mb'] / base['peak_mb']:6.2f}x")
-    for config in [c for c in ("lpa3_cached", "lpa3_cached_lazy") if c in results]:
+    for config in [c for c in ("lpa3_cached", "lpa3_cached_lazy", "lpa3_cached_graphs") if c in results]:
         cached = results[config]["epochs_s"]
         window = sorted(cached)[:10]  # one K=10 window: the regeneration epoch and the reuse epochs after it
         regen, reuse = cached[window[0]], [cached[e] for e in window[1:]]
@@ -181,6 +190,10 @@ def main() -> None:
           f"{int(args.ratio * 128)} selected + one "
           f"training pass on x' = {extra:.3f} s): {floor:.3f} s; lpa3 step is {results['lpa3']['step_s'] / floor:.2f}x "
           "the floor")
+    for config in [c for c in ("lpa3_graphs", "lpa3_cached_graphs") if c in results]:
+        r = results[config]
+        print(f"{config}: step {r['step_s'] / floor:.2f}x the floor; {r['captures']} graphs captured, "
+              f"{r['replays']} solves replayed")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """LP-A3: label-preserving adversarial auto-augmentation (Yang et al., NeurIPS 2022) for Lightning.
 
-The algorithm (``tcs``, ``selection``, ``features``, ``attack``, ``dual_bn``) imports no
+The algorithm (``tcs``, ``selection``, ``features``, ``attack``, ``solver_graphs``, ``dual_bn``) imports no
 Lightning and works in a plain PyTorch loop; Lightning lives in ``callback``, ``mixins``,
 ``classifier``, ``data`` and ``cli``.
 """
@@ -11,6 +11,7 @@ from lpa3_lightning.augmented_forward import augmented_logits
 from lpa3_lightning.dual_bn import convert_dual_bn, has_dual_bn, use_twin_bn
 from lpa3_lightning.features import PerceptualFeatures, default_feature_layers
 from lpa3_lightning.selection import select_below_threshold, selection_threshold
+from lpa3_lightning.solver_graphs import SolverGraphs
 from lpa3_lightning.tcs import TimeConsistency, tcs_divergence, tcs_update
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "LPA3Request",
     "PESClassifier",
     "PerceptualFeatures",
+    "SolverGraphs",
     "TimeConsistency",
     "augmented_logits",
     "convert_dual_bn",

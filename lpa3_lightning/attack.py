@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lpa3_lightning.dual_bn import TwinStatistics, frozen_twin_bn, has_dual_bn
 from lpa3_lightning.features import PerceptualFeatures, eval_mode, output_to_logits, unwrap_compiled
+from lpa3_lightning.solver_graphs import SolverGraphs
 
 __all__ = [
     "AttackStats", "InputRange", "MaxStep", "auto_max_step", "auto_max_step_tensor", "check_max_step", "check_solver_arguments", "full_float32",
@@ -349,6 +350,7 @@ def lpa3_attack(
     twin_statistics: TwinStatistics | None = None,
     return_stats: bool = False,
     sync_free: bool = False,
+    graphs: SolverGraphs | None = None,
 ) -> Tensor | tuple[Tensor, AttackStats]:
     """Generate LP-A3 hard positives ``x'`` for a batch.
 
@@ -411,6 +413,11 @@ def lpa3_attack(
             suits the CPU. On a GPU give ``input_range`` as device tensors
             (:func:`resolve_input_range`): built from Python numbers at each call it is a
             host-to-device copy, which synchronises too.
+        graphs: with ``sync_free=True``, a :class:`~lpa3_lightning.solver_graphs.SolverGraphs`
+            that runs the solve as a CUDA graph captured once per padded batch size (on a CPU
+            it solves the padded rows eagerly). The same ``x'`` up to float rounding; in twin
+            mode without ``twin_statistics`` they are taken from ``x`` by one extra forward
+            (padding rows must not enter them). Not yet run on a GPU.
 
     Returns:
         ``x'`` detached, with the shape, dtype and device of ``x``; and the stats if asked.
@@ -447,6 +454,10 @@ def lpa3_attack(
         return (x.detach().clone(), stats) if return_stats else x.detach().clone()
     if not isinstance(sync_free, bool):
         raise ValueError(f"`sync_free` must be True or False, got {sync_free!r}. Fix: use False on the CPU.")
+    if graphs is not None and not (isinstance(graphs, SolverGraphs) and sync_free):
+        raise ValueError(f"`graphs` must be a SolverGraphs used with sync_free=True, got {type(graphs).__name__} with "
+                         f"sync_free={sync_free}. Fix: pass sync_free=True (a captured solve cannot read the host), "
+                         "or graphs=None.")
     if not sync_free and not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x.flatten(1))).any(1).nonzero().flatten().tolist()
         raise ValueError(f"`x` has NaN or Inf in samples {bad[:10]}. Fix: drop those samples before the attack.")
@@ -465,17 +476,97 @@ def lpa3_attack(
         x = torch.where(_per_sample(finite, x), x, torch.zeros_like(x))
     bounds = resolve_input_range(input_range, x, check_values=not sync_free)
     feats = PerceptualFeatures(model, layers=layers, logits_fn=logits_fn)
-
-    def clamp(v: Tensor) -> Tensor:
-        return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
-
     if max_step == "auto":
         step_bound: float | Tensor | None = auto_max_step_tensor(x, bounds) if sync_free else auto_max_step(x, bounds)
     else:
         step_bound = max_step
 
-    with _attack_mode(model, bn_mode, twin_statistics), torch.enable_grad(), torch.autocast(x.device.type, enabled=False), \
-            full_float32(x.device, enabled=not allow_tf32):
+    # drawn before the solve (not inside it) so that a captured solve reads it from a buffer;
+    # the clean forward draws no random numbers, so the stream is the one the loop always used
+    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    rows = _SolveRows(feats, sigma=sigma, steps=steps, lam=lam, temperature=temperature, fast=fast, project=project,
+                      bisection_steps=bisection_steps, sync_free=sync_free)
+    if graphs is not None:
+        if bn_mode == "twin" and twin_statistics is None:  # from the real rows, before any padding
+            _, twin_statistics = label_log_prob(model, x, y, bn_mode="twin", logits_fn=logits_fn,
+                                                temperature=temperature, allow_tf32=allow_tf32)
+        x_adv, logp0, logp_final, dist_final, projected = graphs.solve(
+            rows, x, y, noise, bounds, step_bound,
+            lambda statistics: _solver_context(model, bn_mode, statistics, x.device, allow_tf32),
+            twin_statistics if bn_mode == "twin" else None, model,
+            key=(rows.settings(), bn_mode, layers if layers is None or isinstance(layers, str) else tuple(layers),
+                 # the function itself, not its id: a bound method compares equal across accesses, and
+                 # the key keeps it alive, so a new function cannot take a freed one's id
+                 logits_fn, allow_tf32))
+    else:
+        with _solver_context(model, bn_mode, twin_statistics, x.device, allow_tf32):
+            x_adv, logp0, logp_final, dist_final, projected = rows(x, y, noise, bounds, step_bound)
+    with torch.no_grad():
+        if sync_free:
+            x_adv = torch.where(_per_sample(finite, x), x_adv, x_given)
+            logp_final = torch.where(finite, logp_final, torch.full_like(logp_final, float("nan")))
+        x_adv = x_adv.to(out_dtype)
+
+    if not return_stats:
+        return x_adv
+    drop = (logp0 - logp_final).detach()
+    stats = AttackStats(
+        perceptual_distance=dist_final.detach(),
+        logp_drop=drop,
+        preserved=drop <= sigma,
+        projected=projected,
+        l2=(x_adv.to(x.dtype) - x).flatten(1).norm(dim=1),
+    )
+    return x_adv, stats
+
+
+@contextlib.contextmanager
+def _solver_context(model: nn.Module, bn_mode: str, twin_statistics: TwinStatistics | None, device: torch.device,
+                    allow_tf32: bool) -> Iterator[None]:
+    """The forward mode every solver pass runs in: attack BN mode, gradients on, autocast off, full float32."""
+    with _attack_mode(model, bn_mode, twin_statistics), torch.enable_grad(), torch.autocast(device.type, enabled=False), \
+            full_float32(device, enabled=not allow_tf32):
+        yield
+
+
+class _SolveRows:
+    """The solver's loop on a batch whose every input is a tensor (noise, bounds and step bound included).
+
+    Called inside :func:`_solver_context`. With ``sync_free=True`` it reads no device value on the
+    host and dispatches the same operators whatever the data, so it can be captured as a CUDA
+    graph (:class:`~lpa3_lightning.solver_graphs.SolverGraphs`) and replayed on new values.
+
+    Returns:
+        ``(x_adv, logp0, logp_final, dist_final, projected)``: ``x_adv`` in ``x``'s dtype, the
+        others ``(N,)``.
+    """
+
+    def __init__(self, feats: PerceptualFeatures, *, sigma: float, steps: int, lam: float, temperature: float,
+                 fast: bool, project: bool, bisection_steps: int, sync_free: bool) -> None:
+        self.feats = feats
+        self.sigma, self.steps, self.lam, self.temperature = sigma, steps, lam, temperature
+        self.fast, self.project, self.bisection_steps, self.sync_free = fast, project, bisection_steps, sync_free
+
+    def settings(self) -> tuple[Any, ...]:
+        """The Python numbers the loop bakes into its operators (part of a captured graph's key)."""
+        return (self.sigma, self.steps, self.lam, self.temperature, self.fast, self.project, self.bisection_steps)
+
+    def __call__(self, x: Tensor, y: Tensor, noise: Tensor, bounds: tuple[Tensor, Tensor] | None,
+                 step_bound: float | Tensor | None, row_weights: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Solve; ``row_weights`` (``(N,)``, 1/n on n real rows and 0 on padding) replaces the
+        batch mean of the loss, so that padding rows change no real row's step."""
+        feats, sigma, steps, temperature = self.feats, self.sigma, self.steps, self.temperature
+        fast, project, sync_free = self.fast, self.project, self.sync_free
+
+        def clamp(v: Tensor) -> Tensor:
+            return v if bounds is None else torch.maximum(torch.minimum(v, bounds[1]), bounds[0])
+
+        def batch_mean(v: Tensor) -> Tensor:
+            # The authors' loss is a batch mean: each row's gradient is scaled by 1/N before its
+            # normalisation adds GRAD_EPS, so N shows in the direction where the gradient is small.
+            return v.mean() if row_weights is None else (v * row_weights).sum()
+
         with torch.no_grad():
             logits0, phi0 = feats(x)
             if logits0.dim() != 2:
@@ -488,18 +579,17 @@ def lpa3_attack(
                     "class indices of this model's output."
                 )
             logp0 = _label_logp(logits0, y, temperature)
-        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
         delta = clamp(x + (2 * noise - 1) * INIT_NOISE) - x
         # fast mode: the best feasible iterate seen so far (farthest in feature space)
         best = _BestFeasible(delta, logp0) if fast and project else None
         for t in range(steps):
             step = sigma * 0.1 ** (t / steps)
-            lam_t = lam * 0.1 ** (1 - t / steps)
+            lam_t = self.lam * 0.1 ** (1 - t / steps)
             delta.requires_grad_(True)
             logits, phi = feats(x + delta)
             logp = _label_logp(logits, y, temperature)
             dist = (phi - phi0).norm(dim=1)
-            loss = -dist.mean() + lam_t * F.relu(logp0 - logp - sigma).mean()
+            loss = -batch_mean(dist) + lam_t * batch_mean(F.relu(logp0 - logp - sigma))
             (grad,) = torch.autograd.grad(loss, delta)
             with torch.no_grad():
                 delta, logp, dist = delta.detach(), logp.detach(), dist.detach()
@@ -518,7 +608,7 @@ def lpa3_attack(
 
         with torch.no_grad():
             evaluate = _Evaluator(feats, x, y, phi0, temperature)
-            alpha = torch.ones(n, device=x.device)
+            alpha = torch.ones(x.shape[0], device=x.device)
             logp_final, dist_final = evaluate(delta, alpha)
             ok = logp_final >= logp0 - sigma
             projected = torch.zeros_like(ok)
@@ -529,28 +619,13 @@ def lpa3_attack(
             elif project and sync_free:
                 projected = ~ok
                 alpha, logp_final, dist_final = _bisect_all_rows(evaluate, delta, ok, logp_final, dist_final, logp0,
-                                                                 sigma, bisection_steps)
+                                                                 sigma, self.bisection_steps)
             elif project and not bool(ok.all()):
                 projected = ~ok
                 alpha, logp_final, dist_final = _bisect(evaluate, delta, ok, logp_final, dist_final, logp0, sigma,
-                                                        bisection_steps)
+                                                        self.bisection_steps)
             x_adv = (x + _per_sample(alpha, x).to(x.dtype) * delta).detach()
-            if sync_free:
-                x_adv = torch.where(_per_sample(finite, x), x_adv, x_given)
-                logp_final = torch.where(finite, logp_final, torch.full_like(logp_final, float("nan")))
-            x_adv = x_adv.to(out_dtype)
-
-    if not return_stats:
-        return x_adv
-    drop = (logp0 - logp_final).detach()
-    stats = AttackStats(
-        perceptual_distance=dist_final.detach(),
-        logp_drop=drop,
-        preserved=drop <= sigma,
-        projected=projected,
-        l2=(x_adv.to(x.dtype) - x).flatten(1).norm(dim=1),
-    )
-    return x_adv, stats
+        return x_adv, logp0, logp_final, dist_final, projected
 
 
 class _BestFeasible:

@@ -32,6 +32,7 @@ from lpa3_lightning.metrics import NanIgnoringMean
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
 from lpa3_lightning.networks import NetworkView, module_networks
 from lpa3_lightning.selection import check_initial_selection, check_ratio, check_threshold_rule
+from lpa3_lightning.solver_graphs import SolverGraphs
 from lpa3_lightning.tcs import TimeConsistency
 from lpa3_lightning.visualize import comparison_grid
 
@@ -173,6 +174,13 @@ class LPA3Callback(Callback):
             solver needs a synchronisation). With ``regenerate_every_n_epochs > 1`` the cache's
             reuse plan still reads on the host. Same ``x'`` as the default path up to float
             rounding; True on the CPU only costs compute (tests, counting reads).
+        cuda_graphs: on the sync-free path, run the solver as a CUDA graph captured once per
+            padded number of selected rows (:class:`~lpa3_lightning.solver_graphs.SolverGraphs`:
+            rows padded to a multiple of 8, inputs copied into the graph's buffers, captured
+            again when the model's parameters move to other memory). Off by default: written
+            without a GPU and not yet run on one (``tests/test_gpu.py`` holds its checks). On the
+            CPU it solves the padded rows eagerly. Needs the sync-free path; a model whose
+            forward reads the host or branches on data cannot be captured.
 
     Raises:
         ValueError: on an argument out of range, naming it and the fix.
@@ -215,6 +223,7 @@ class LPA3Callback(Callback):
         checkpoint_cache: bool = False,
         log_eval_preservation: bool = True,
         sync_free: bool | Literal["auto"] = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
         # the settings, for the per-network callbacks of a module with several networks
         self._settings = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -251,6 +260,13 @@ class LPA3Callback(Callback):
                              "(no host reads on an accelerator, the default path on the CPU).")
         self.sync_free = sync_free
         self._sync_free = False  # resolved for the module's device in on_train_start
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"`cuda_graphs` must be True or False, got {cuda_graphs!r}. Fix: use False.")
+        if cuda_graphs and sync_free is False:
+            raise ValueError("`cuda_graphs=True` needs the sync-free path, but `sync_free=False`. Fix: use "
+                             "sync_free='auto' (on a GPU) or True, or cuda_graphs=False.")
+        self.cuda_graphs = cuda_graphs
+        self.solver_graphs: SolverGraphs | None = None  # made in on_train_start when cuda_graphs and sync-free
         self._solver_range: tuple[tuple[Any, ...], InputRange] | None = None  # (key, range as device tensors)
         self._bad_recorded_indices = torch.zeros((), dtype=torch.long)  # sync-free: refused at the next read
         check_max_step(max_step)
@@ -451,6 +467,8 @@ class LPA3Callback(Callback):
         if self.cache is not None:
             self.cache.close()
             self.cache.offload()  # the GPU memory is free for what follows the fit
+        if self.solver_graphs is not None:
+            self.solver_graphs.reset()  # the graphs' memory pool too
         self._pending = None
 
     def _resolve_range(self, trainer: pl.Trainer) -> InputRange:
@@ -517,6 +535,10 @@ class LPA3Callback(Callback):
                 "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank shards."
             )
         self._sync_free = pl_module.device.type != "cpu" if self.sync_free == "auto" else bool(self.sync_free)
+        if self.cuda_graphs and not self._sync_free:
+            raise ValueError("`cuda_graphs=True` needs the sync-free path, which sync_free='auto' runs on an "
+                             "accelerator only and this module is on the CPU. Fix: sync_free=True, or cuda_graphs=False.")
+        self.solver_graphs = SolverGraphs() if self.cuda_graphs else None
         self._solver_range = None
         # sync-free: the memory lives beside the model, so selecting and updating read nothing back
         memory_device = pl_module.device if self._sync_free else torch.device("cpu")
@@ -805,8 +827,10 @@ class LPA3Callback(Callback):
         return x_adv, stats
 
     def _solve(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor,
-               generator: torch.Generator | None, bn_mode: str, twin_statistics: Any = None) -> tuple[Tensor, Any]:
-        """The solver with this callback's settings (training batches and logged grids alike)."""
+               generator: torch.Generator | None, bn_mode: str, twin_statistics: Any = None,
+               graphs: bool = True) -> tuple[Tensor, Any]:
+        """The solver with this callback's settings (training batches and logged grids alike;
+        ``graphs=False``: never through a CUDA graph, for a one-off solve such as a grid)."""
         return lpa3_attack(
             model, x, y, sigma=self.sigma, steps=self.steps, lam=self.lam,
             layers=self._layer_names if self._layer_names is not None else self.layers,
@@ -815,6 +839,7 @@ class LPA3Callback(Callback):
             project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
             max_step=self.max_step, allow_tf32=self.allow_tf32, twin_statistics=twin_statistics,
             return_stats=True, sync_free=self._sync_free,
+            graphs=self.solver_graphs if self._sync_free and graphs else None,
         )
 
     def _range_for(self, x: Tensor, dtype: torch.dtype) -> InputRange:
@@ -1006,7 +1031,8 @@ class LPA3Callback(Callback):
                 return  # not images: the logged perceptual distance is the picture
             model = unwrap_compiled(pl_module.lpa3_model())
             x_adv, _ = self._solve(pl_module, model, request.inputs, request.targets,
-                                   torch.Generator(device=request.inputs.device).manual_seed(0), "eval")
+                                   torch.Generator(device=request.inputs.device).manual_seed(0), "eval",
+                                   graphs=False)  # a one-off solve: a graph would hold memory for the fit
         normalization = self._resolved_range if isinstance(self._resolved_range, Mapping) else None
         self.last_grid = comparison_grid(request.inputs, x_adv, normalization)
         if hasattr(logger, "log_image"):

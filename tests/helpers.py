@@ -105,3 +105,21 @@ def independent_logp_drop(model: nn.Module, x: torch.Tensor, x_adv: torch.Tensor
         logp = F.log_softmax(ref(x.float()), dim=1).gather(1, y[:, None]).squeeze(1)
         logp_adv = F.log_softmax(ref(x_adv.float()), dim=1).gather(1, y[:, None]).squeeze(1)
     return logp - logp_adv
+
+
+def dispatched_ops(fn) -> list[str]:
+    """The aten operators ``fn`` dispatches, in order (an independent view of what it runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        fn()
+    return record.ops

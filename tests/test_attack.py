@@ -9,7 +9,7 @@ from torch import nn
 from lpa3_lightning.attack import lpa3_attack, resolve_input_range
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.features import PerceptualFeatures
-from tests.helpers import confident_batch, confident_cnn, independent_logp_drop, small_cnn, snapshot
+from tests.helpers import confident_batch, confident_cnn, dispatched_ops, independent_logp_drop, small_cnn, snapshot
 
 
 def _batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,24 +487,6 @@ def test_tf32_switch_restores_every_way_of_setting_precision(setting):
 
 
 # ---------------------------------------------------------------- sync_free (no host reads)
-def _dispatched_ops(fn) -> list[str]:
-    """The aten operators ``fn`` dispatches, in order (an independent view of what it runs)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Record() as record:
-        fn()
-    return record.ops
-
-
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("max_step", ["auto", None])
 @pytest.mark.parametrize("twin", [False, True])
@@ -548,7 +530,7 @@ def test_sync_free_solver_runs_the_same_operators_whatever_the_data():
                 _, stats = lpa3_attack(net, x, y, max_step=max_step, sync_free=sync_free, return_stats=True,
                                        generator=torch.Generator().manual_seed(0))
                 outcomes.append(int(stats.projected.sum()))
-            sequences[(sync_free, max_step)] = _dispatched_ops(solve)
+            sequences[(sync_free, max_step)] = dispatched_ops(solve)
     assert outcomes[0] > 0 and outcomes[1] == 0  # the two runs do take different branches
     assert sequences[(True, 1e3)] == sequences[(True, 1e-4)]
     assert sequences[(False, 1e3)] != sequences[(False, 1e-4)]  # the default path's do differ

@@ -120,3 +120,38 @@ def test_a_bad_input_range_is_refused_on_the_sync_free_path(tmp_path, regenerate
 def test_sync_free_is_validated():
     with pytest.raises(ValueError, match="sync_free"):
         LPA3Callback(sync_free="yes")
+
+
+def test_cuda_graphs_on_the_cpu_trains_as_the_sync_free_path():
+    """cuda_graphs=True on the CPU solves the padded rows eagerly: the padding (bucket of 8 rows)
+    and the graph buffers must leave training as the unpadded sync-free path leaves it."""
+    runs = {}
+    for graphs in (False, True):
+        count = CountOneStep()
+        callback = LPA3Callback(ratio=0.5, steps=3, seed=0, sync_free=True, cuda_graphs=graphs,
+                                input_range=(-3.0, 3.0))
+        module, trainer = _fit([count.opener, callback, count], max_epochs=3)
+        runs[graphs] = (module, callback, trainer, count.counter)
+    (m0, c0, t0, _), (m1, c1, t1, reads) = runs[False], runs[True]
+    assert c0.solver_graphs is None and c1.solver_graphs is not None
+    assert len(c1.solver_graphs._entries) == 0  # released at the end of the fit
+    assert m0.seen_augmented == m1.seen_augmented and sum(m1.seen_augmented) > 0
+    assert any(n % 8 for n in m1.seen_augmented if n)  # some steps did solve padded rows
+    # float32 forwards of 8 rows and of n rows round differently (~1e-7); after three epochs the
+    # weights differ by ~1e-4 of their size (a padding that changed the solve moved x' by 0.2)
+    for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
+        torch.testing.assert_close(p1, p0, rtol=1e-3, atol=1e-4, msg=name)
+    for key in ("lpa3/label_preserved_epoch", "lpa3/projected_epoch", "lpa3/perceptual_distance_epoch"):
+        torch.testing.assert_close(t1.callback_metrics[key], t0.callback_metrics[key], rtol=1e-3, atol=0, msg=key)
+    package_sites = {site: n for site, n in reads.sites.items() if site != "(outside)"}
+    assert sum(package_sites.values()) == 1, package_sites  # the graph path adds no host read
+
+
+def test_cuda_graphs_is_validated():
+    with pytest.raises(ValueError, match="`cuda_graphs` must be True or False"):
+        LPA3Callback(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="`cuda_graphs=True` needs the sync-free path.*Fix"):
+        LPA3Callback(cuda_graphs=True, sync_free=False)
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, cuda_graphs=True)  # sync_free="auto": off on the CPU
+    with pytest.raises(ValueError, match="`cuda_graphs=True` needs the sync-free path.*CPU.*Fix"):
+        _fit([callback], max_epochs=1)

@@ -18,6 +18,7 @@ def test_core_modules_import_no_lightning():
     code = (
         "import sys, lpa3_lightning\n"
         "import lpa3_lightning.tcs, lpa3_lightning.selection, lpa3_lightning.features, lpa3_lightning.attack\n"
+        "import lpa3_lightning.solver_graphs\n"
         "import lpa3_lightning.dual_bn, lpa3_lightning.augmented, lpa3_lightning.augmented_forward\n"
         "import lpa3_lightning.mixins, lpa3_lightning.models\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning'))\n"

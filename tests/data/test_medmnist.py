@@ -198,6 +198,28 @@ def test_pneumoniamnist_from_shared_folder():
     assert dm.num_classes == 2 and dm.num_train_samples == 4708
 
 
+def test_pneumoniamnist_in_the_official_layout_from_a_user_folder(tmp_path):
+    """The same load without the shared data (a fresh clone has none): a file written here in
+    the official layout (uint8 images, labels of shape (N, 1), the official split sizes, which
+    the medmnist reader checks), with its values checked back."""
+    rng = np.random.default_rng(0)
+    sizes = {"train": 4708, "val": 524, "test": 624}
+    arrays = {}
+    for split, n in sizes.items():
+        arrays[f"{split}_images"] = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        arrays[f"{split}_labels"] = rng.integers(0, 2, (n, 1), dtype=np.uint8)
+    np.savez(tmp_path / "pneumoniamnist.npz", **arrays)
+    dm = MedMNISTDataModule("pneumoniamnist", root=str(tmp_path), batch_size=64)
+    dm.setup("fit")
+    dm.setup("test")
+    assert (len(dm.train_dataset), len(dm.val_dataset), len(dm.test_dataset)) == (4708, 524, 624)
+    x, y, idx = dm.test_dataset[4]
+    assert x.shape == (1, 28, 28) and idx == 4
+    torch.testing.assert_close(x, _expected_tensor(arrays["test_images"][4:5])[0])
+    assert int(y) == int(arrays["test_labels"][4, 0])
+    assert dm.num_classes == 2 and dm.num_train_samples == 4708
+
+
 def test_copied_file_in_custom_root_loads(tmp_path):
     shutil.copy(EMBEDDED_DATA_DIR / "breastmnist.npz", tmp_path / "breastmnist.npz")
     dm = MedMNISTDataModule("breastmnist", root=str(tmp_path))
