@@ -839,7 +839,7 @@ class LPA3Callback(Callback):
             project=self.project, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits, fast=self.fast,  # type: ignore[arg-type]
             max_step=self.max_step, allow_tf32=self.allow_tf32, twin_statistics=twin_statistics,
             return_stats=True, sync_free=self._sync_free,
-            graphs=self.solver_graphs if self._sync_free and graphs else None,
+            graphs=self.solver_graphs if graphs else None,  # made only on the sync-free path
         )
 
     def _range_for(self, x: Tensor, dtype: torch.dtype) -> InputRange:

@@ -59,12 +59,7 @@ def test_attack_on_gpu_keeps_the_model_unchanged_and_the_label():
     assert x_adv.is_cuda and x_adv.shape == x.shape
     # re-measured without the package's forward: twins swapped in with the clean batch's
     # statistics, full float32 (TF32 off for the check, as inside the solver)
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        drop = independent_logp_drop(model, x, x_adv, y, twin_bn=True)
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    drop = _remeasured_drop(model, x, x_adv, y, twin_bn=True)
     assert bool((drop <= 0.02 + 1e-5).all()), drop.max()
     assert float((x_adv - x).abs().max()) > 0
     assert torch.equal(x_adv, again)  # a seeded CUDA generator gives the same x'
