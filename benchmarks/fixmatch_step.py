@@ -1,9 +1,15 @@
 """Cost of LP-A3 in a FixMatch step: step and epoch time against FixMatch's, and the floor; in one run.
 
-    python benchmarks/fixmatch_step.py [--epochs 4] [--accelerator gpu]
+    python benchmarks/fixmatch_step.py [--epochs 4] [--accelerator gpu] [--setting wrn28_2_32px]
 
-``FixMatchClassifier`` (small CNN, MNIST-5k shipped in the package, 40 labels, batch 32 + 7 x 32
-unlabeled, data loading in the main process) with one process per configuration:
+``FixMatchClassifier`` with one process per configuration, in one of two settings:
+  mnist5k        (default) small CNN, MNIST-5k shipped in the package, 40 labels, batch 32 + 7 x 32
+                 unlabeled, data loading in the main process
+  wrn28_2_32px   the paper's CIFAR-10 step: WRN-28-2, 3 x 32 x 32 inputs, batch 64 + 7 x 64
+                 unlabeled, on random tensors of that shape held in memory (a timing of the step
+                 only: CIFAR-10 is not shipped, and the timer excludes data loading anyway);
+                 8 steps an epoch
+Configurations:
   fixmatch              no callback (no twin BN)
   fixmatch_lpa3_all     + LPA3Callback(ratio=0.9, steps=5), lpa3_solve_trained_only=False: x' solved
                         for every selected sample each step (the authors' cost)
@@ -36,9 +42,37 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.timing import StepTimer, sync  # noqa: E402
 CONFIGS = ("fixmatch", "fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_lpa3_cached")
 RATIO = 0.9
+#: setting -> (arch, (channels, size), batch size, mu); the paper's CIFAR-10 rows use ratio 0.9 too
+SETTINGS = {"mnist5k": ("small_cnn", (1, 28), 32, 7), "wrn28_2_32px": ("wrn28_2", (3, 32), 64, 7)}
+SYNTHETIC_STEPS = 8  # steps an epoch of the in-memory setting
 
 
-def _worker(config: str, epochs: int, accelerator: str) -> dict:
+class _Synthetic:
+    """Random labeled and unlabeled batches of the given shape, as ``SemiSupervisedDataModule`` yields them."""
+
+    def __init__(self, shape: tuple[int, int], batch_size: int, mu: int, num_classes: int = 10) -> None:
+        import torch
+        from lightning.pytorch.utilities.combined_loader import CombinedLoader
+        from torch.utils.data import DataLoader, TensorDataset
+
+        g = torch.Generator().manual_seed(0)
+        channels, size = shape
+        self.batch_size, self.mu = batch_size, mu
+        self.num_unlabeled = SYNTHETIC_STEPS * mu * batch_size
+        n_lab = 4 * batch_size
+        labeled = TensorDataset(torch.randn(n_lab, channels, size, size, generator=g),
+                                torch.randint(0, num_classes, (n_lab,), generator=g), torch.arange(n_lab))
+        weak = torch.randn(self.num_unlabeled, channels, size, size, generator=g)
+        unlabeled = TensorDataset(weak, weak + 0.5 * torch.randn(weak.shape, generator=g),
+                                  torch.arange(self.num_unlabeled))
+        self.loaders = CombinedLoader({
+            "labeled": DataLoader(labeled, batch_size=batch_size, shuffle=True, drop_last=True),
+            "unlabeled": DataLoader(unlabeled, batch_size=mu * batch_size, shuffle=True, drop_last=True)},
+            mode="max_size_cycle")
+        self.num_steps_per_epoch = SYNTHETIC_STEPS
+
+
+def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k") -> dict:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -47,19 +81,29 @@ def _worker(config: str, epochs: int, accelerator: str) -> dict:
     from lpa3_lightning.data import SemiSupervisedDataModule
 
     pl.seed_everything(0)
-    data = SemiSupervisedDataModule("mnist5k", num_labels=40, seed=0, batch_size=32, mu=7, eval_batch_size=500)
+    arch, shape, batch_size, mu = SETTINGS[setting]
+    if setting == "mnist5k":
+        data = SemiSupervisedDataModule("mnist5k", num_labels=40, seed=0, batch_size=batch_size, mu=mu,
+                                        eval_batch_size=500)
+    else:
+        data = _Synthetic(shape, batch_size, mu)
     timer = StepTimer()
     callbacks: list[Callback] = [timer]
     lpa3 = config != "fixmatch"
     if lpa3:
         callbacks.append(LPA3Callback(ratio=RATIO, sigma=0.02, steps=5, warmup_epochs=1, seed=0,
+                                      input_range="auto" if setting == "mnist5k" else None,  # random tensors: no box
                                       regenerate_every_n_epochs=10 if config.endswith("cached") else 1))
-    module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, twin_bn=lpa3,
+    module = FixMatchClassifier(arch=arch, in_channels=shape[0], num_classes=10, twin_bn=lpa3,
                                 lpa3_loss_warmup_epochs=1, lpa3_solve_trained_only=config != "fixmatch_lpa3_all")
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=data)
+    if isinstance(data, _Synthetic):
+        module.lpa3_num_samples = data.num_unlabeled
+        trainer.fit(module, train_dataloaders=data.loaders)
+    else:
+        trainer.fit(module, datamodule=data)
     measured = [e for e in timer.steps if e >= 1]
     device = trainer.strategy.root_device
     result = {
@@ -69,13 +113,15 @@ def _worker(config: str, epochs: int, accelerator: str) -> dict:
         "solved": {e: timer.solved[e] for e in measured if e in timer.solved},
         "steps_per_epoch": data.num_steps_per_epoch,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan"),
     }
     if config == "fixmatch_lpa3_all":
-        result["attack_s"], result["x_adv_pass_s"] = _floor_parts(module.to(device), data.mu * data.batch_size)
+        result["attack_s"], result["x_adv_pass_s"] = _floor_parts(module.to(device), data.mu * data.batch_size,
+                                                                  shape)
     return result
 
 
-def _floor_parts(module, unlabeled_batch: int) -> tuple[float, float]:
+def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28)) -> tuple[float, float]:
     """(5 x (forward + input-gradient backward), one twin-BN training pass) on the selected share."""
     import torch
 
@@ -84,7 +130,7 @@ def _floor_parts(module, unlabeled_batch: int) -> tuple[float, float]:
     model = module.model
     device = module.device
     selected = round(RATIO * unlabeled_batch)
-    x = torch.randn(selected, 1, 28, 28, device=device)
+    x = torch.randn(selected, shape[0], shape[1], shape[1], device=device)
     y = torch.randint(0, 10, (selected,), device=device)
 
     def timed(fn, reps: int = 5) -> float:
@@ -119,41 +165,58 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=4, help="epoch 0 is the warm-up; 1.. are measured")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or gpu")
+    parser.add_argument("--setting", default="mnist5k", choices=list(SETTINGS),
+                        help="mnist5k (small CNN, the shipped data) or wrn28_2_32px (the CIFAR-10 step's shapes)")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                        help="which configurations to run (fixmatch and fixmatch_lpa3_all always run: the ratios "
+                             "and the floor use them)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.epochs < 3:
         sys.exit("--epochs must be at least 3: epoch 0 is the warm-up, epoch 1 regenerates, 2.. reuse")
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.epochs, args.accelerator)))
+        print(json.dumps(_worker(args.worker, args.epochs, args.accelerator, args.setting)))
         return
     import torch
 
     where = (torch.cuda.get_device_name(0) if args.accelerator in ("gpu", "cuda")
              else f"{platform.machine()}, {torch.get_num_threads()} threads")
-    print(f"torch {torch.__version__}, {where}; FixMatch small CNN, MNIST-5k, batch 32 + 224 unlabeled, "
-          f"ratio {RATIO}, epochs 1..{args.epochs - 1} measured, one process each")
+    arch, (channels, size), batch_size, mu = SETTINGS[args.setting]
+    what = "MNIST-5k" if args.setting == "mnist5k" else "random tensors"
+    print(f"torch {torch.__version__}, {where}; FixMatch {arch}, {what} {channels}x{size}x{size}, batch {batch_size} + "
+          f"{mu * batch_size} unlabeled, ratio {RATIO}, epochs 1..{args.epochs - 1} measured, one process each")
     results = {}
-    for config in CONFIGS:
+    for config in [c for c in CONFIGS if c in args.configs or c in ("fixmatch", "fixmatch_lpa3_all")]:
         done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs),
-                               "--accelerator", args.accelerator], capture_output=True, text=True, cwd=ROOT)
+                               "--accelerator", args.accelerator, "--setting", args.setting],
+                              capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
             sys.exit(f"{config} failed:\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
         result["epochs_s"] = {int(k): v for k, v in result["epochs_s"].items()}
+        print(f"{config}: {json.dumps(result)}", flush=True)  # kept if a time limit stops the run later
         results[config] = result
     base, lp = results["fixmatch"], results["fixmatch_lpa3_all"]
     floor_step = base["step_s"] + lp["x_adv_pass_s"] + lp["attack_s"]
     print(f"steps per epoch: {base['steps_per_epoch']}")
     print(f"{'config':22} {'step s':>8} {'x FixMatch':>11} {'floor s':>8} {'x floor':>8} {'x solved (share of batch)':>26}")
     print(f"{'fixmatch':22} {base['step_s']:8.3f} {1:10.2f}x")
-    for config in ("fixmatch_lpa3_all", "fixmatch_lpa3"):
+    for config in [c for c in ("fixmatch_lpa3_all", "fixmatch_lpa3") if c in results]:
         step, solved = results[config]["step_s"], list(results[config]["solved"].values())
         share = f"{min(solved):.2f} to {max(solved):.2f}" if solved else "n/a"
         print(f"{config:22} {step:8.3f} {step / base['step_s']:10.2f}x {floor_step:8.3f} {step / floor_step:7.2f}x "
               f"{share:>26}")
     print(f"floor parts: FixMatch step {base['step_s']:.3f} s + x' training pass {lp['x_adv_pass_s']:.3f} s + "
           f"5 x (forward + input-gradient backward) {lp['attack_s']:.3f} s")
+    if base["peak_mb"] == base["peak_mb"]:  # not NaN: a GPU run
+        print("peak GPU memory allocated: " + ", ".join(
+            f"{c} {r['peak_mb']:.0f} MB ({r['peak_mb'] / base['peak_mb']:.2f}x)" for c, r in results.items()))
     base_epoch = statistics.mean(base["epochs_s"].values())
+    for config in [c for c in ("fixmatch_lpa3_all", "fixmatch_lpa3") if c in results]:
+        epoch = statistics.mean(results[config]["epochs_s"].values())
+        print(f"fixmatch epoch {base_epoch:.2f} s; {config} epoch {epoch:.2f} s ({epoch / base_epoch:.2f}x)")
+    if "fixmatch_lpa3_cached" not in results:
+        return
     cached = results["fixmatch_lpa3_cached"]["epochs_s"]
     window = sorted(cached)[:10]
     regen, reuse = cached[window[0]], [cached[e] for e in window[1:]]
@@ -161,9 +224,6 @@ def main() -> None:
     steps = base["steps_per_epoch"]
     floor_epoch = base_epoch + steps * (lp["x_adv_pass_s"] + lp["attack_s"] / 10)
     shares = [results["fixmatch_lpa3_cached"]["reused"].get(str(e), float("nan")) for e in window[1:]]
-    for config in ("fixmatch_lpa3_all", "fixmatch_lpa3"):
-        epoch = statistics.mean(results[config]["epochs_s"].values())
-        print(f"fixmatch epoch {base_epoch:.2f} s; {config} epoch {epoch:.2f} s ({epoch / base_epoch:.2f}x)")
     print(f"fixmatch_lpa3_cached (K=10): regeneration epoch {regen:.2f} s, {len(reuse)} reuse epochs mean "
           f"{statistics.mean(reuse):.2f} s (x' from the cache {min(shares):.0%} to {max(shares):.0%}); amortized epoch "
           f"{amortized:.2f} s = {amortized / base_epoch:.2f}x FixMatch; floor {floor_epoch:.2f} s "

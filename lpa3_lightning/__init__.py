@@ -21,6 +21,7 @@ __all__ = [
     "AugmentedBatch",
     "DivideMixClassifier",
     "FixMatchClassifier",
+    "FixMatchEMA",
     "LPA3Callback",
     "LPA3Classifier",
     "LPA3Request",
@@ -51,6 +52,10 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
         from lpa3_lightning.classifier import LPA3Classifier
 
         return LPA3Classifier
+    if name == "FixMatchEMA":
+        from lpa3_lightning.ema import FixMatchEMA
+
+        return FixMatchEMA
     if name == "FixMatchClassifier":
         from lpa3_lightning.fixmatch_classifier import FixMatchClassifier
 

@@ -50,8 +50,9 @@ class LPA3Request:
             the ``x'`` batch's own statistics would change, so do not pass a mask there). A hint,
             not a filter the loss may rely on: every selected row is solved with a cache
             (``regenerate_every_n_epochs > 1``: a later epoch may reuse a row that is not trained
-            now) and on the uncached sync-free path (which rows qualify is a device value). None
-            (default): every selected row is solved.
+            now). The default and the sync-free path honour it alike (the sync-free path reads
+            the number of rows it keeps with its one host read). None (default): every selected
+            row is solved.
     """
 
     inputs: Tensor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from lpa3_lightning.cache import DEFAULT_MAX_BYTES, AugmentationCache
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices, count_out_of_range
 from lpa3_lightning.distributed import all_equal, any_rank_failed, gather_predictions, gather_rows
 from lpa3_lightning.dual_bn import DualSyncBatchNorm, anchor_twin_parameters, has_dual_bn
-from lpa3_lightning.features import resolve_layers, unwrap_compiled
+from lpa3_lightning.features import eval_mode, resolve_layers, unwrap_compiled
 from lpa3_lightning.metrics import NanIgnoringMean
 from lpa3_lightning.mixins.base import REQUIRED_METHODS
 from lpa3_lightning.networks import NetworkView, module_networks
@@ -39,11 +40,28 @@ from lpa3_lightning.visualize import comparison_grid
 __all__ = ["LPA3Callback"]
 
 _NETWORK_SEED_STRIDE = 7919  # seed offset between the networks of a module with several
-_STATE_VERSION = 3  # 2 added the x' cache, the global RNG and the per-epoch update record; 3 the cache's labels
+# 2 added the x' cache, the global RNG and the per-epoch update record; 3 the cache's labels; 4 dropped the
+# solver's generator state (its seed is derived per batch: batch_noise_seed)
+_STATE_VERSION = 4
 
 #: Per-epoch diagnostics, each a torchmetrics aggregate synced across processes at epoch end.
 _EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "skipped_fraction", "reused_fraction",
                 "perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
+
+
+def batch_noise_seed(seed: int, rank: int, epoch: int, batch_idx: int) -> int:
+    """The seed of one batch's solver noise on one process: a hash of the four numbers.
+
+    Derived, not carried: a resumed run (from any checkpoint, on any number of processes) draws
+    on every rank the noise that an uninterrupted run draws there, and no generator state has to
+    be saved per rank.
+
+    Example:
+        >>> batch_noise_seed(0, 0, 3, 7) == batch_noise_seed(0, 0, 3, 7) != batch_noise_seed(0, 1, 3, 7)
+        True
+    """
+    digest = hashlib.blake2b(f"{seed}/{rank}/{epoch}/{batch_idx}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def _drop_selected(mask: Tensor, drop: Tensor) -> Tensor:
@@ -96,7 +114,11 @@ class LPA3Callback(Callback):
         sigma: label-preserving margin on ``log p`` (0.02 for MedMNIST in the paper).
         steps: solver iterations (paper: 5).
         lam: Lagrange multiplier scale (authors: 1).
-        warmup_epochs: epochs at the start without augmentation (TCS still updates).
+        warmup_epochs: epochs at the start without augmentation (TCS still updates). A module
+            may also say in which epochs its loss trains ``x'``
+            (:meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented`: PES's semi
+            phase, DivideMix after its warm-up, FixMatch after its LP-A3 loss warm-up): the
+            callback solves only in those.
         layers: feature layers (names or glob patterns of ``module.lpa3_model()``); None
             for the documented default.
         input_range: valid input bounds for the solver's clamp: ``"auto"`` (default) takes
@@ -114,8 +136,11 @@ class LPA3Callback(Callback):
             dataloader's dataset.
         tcs_divergence: ``"code"`` (authors' code) or ``"paper"``.
         tcs_initial_memory: ``"uniform"`` (a distribution; default) or ``"authors"`` (1.01).
-        seed: seed of the solver's initial noise (reproducible runs); None draws from torch's
-            global generator.
+        seed: seed of the solver's initial noise (reproducible runs): each batch's noise comes
+            from a generator seeded by (seed, rank, epoch, batch index)
+            (:func:`batch_noise_seed`), so every rank draws its own noise and a resumed run draws
+            on each rank what an uninterrupted run draws there. None draws from torch's global
+            generator.
         regenerate_every_n_epochs: ``K`` of the paper's appendix: a sample's ``x'`` is kept
             and reused for ``K`` epochs before it is generated again (1: no cache).
         attack_new_selections: with a cache (``K > 1``), whether a selected sample that has no
@@ -177,9 +202,9 @@ class LPA3Callback(Callback):
         cuda_graphs: on the sync-free path, run the solver as a CUDA graph captured once per
             padded number of selected rows (:class:`~lpa3_lightning.solver_graphs.SolverGraphs`:
             rows padded to a multiple of 8, inputs copied into the graph's buffers, captured
-            again when the model's parameters move to other memory). Off by default: written
-            without a GPU and not yet run on one (``tests/test_gpu.py`` holds its checks). On the
-            CPU it solves the padded rows eagerly. Needs the sync-free path; a model whose
+            again when the model's parameters move to other memory). Off by default: on an H100
+            it halved the steady-state LP-A3 step but each new padded size costs a capture, so
+            it pays in long runs (``docs/results.md``). On the CPU it solves the padded rows eagerly. Needs the sync-free path; a model whose
             forward reads the host or branches on data cannot be captured.
 
     Raises:
@@ -317,7 +342,7 @@ class LPA3Callback(Callback):
         self.cache: AugmentationCache | None = None
         self.tcs: TimeConsistency | None = None
         self._generator: torch.Generator | None = None
-        self._generator_state: Tensor | None = None
+        self._batch_key = (0, 0)  # (epoch, batch index) of the batch being augmented: its noise seed
         self._resolved_range: InputRange = None
         self._nonfinite = 0
         self._rng_to_restore: dict[str, Any] | None = None
@@ -327,6 +352,7 @@ class LPA3Callback(Callback):
         self.restore_rng = restore_rng
         self._restored = False  # load_state_dict ran since the last fit started (a resume)
         self._pending: tuple[Tensor, Tensor] | None = None  # (clean log p(y|x), y) of this batch's x'
+        self._rows_recorded, self._coverage_checked = 0, False  # the memory-coverage check (once a fit)
         self._warned_unmeasured = False
         self._eval_preserved: Tensor | None = None
         self._layer_names: list[str] | None = None  # resolved once, by a probe forward for the default
@@ -401,6 +427,16 @@ class LPA3Callback(Callback):
                 "`lpa3_lightning.mixins.LPA3ModuleMixin` (or `SupervisedLPA3Mixin`) and implement `lpa3_request`; "
                 "see the README section 'Use it in your own LightningModule'."
             )
+        if getattr(type(pl_module).lpa3_model, "__qualname__", "") == "LPA3ModuleMixin.lpa3_model" \
+                and type(pl_module).forward in (nn.Module.forward, pl.LightningModule.forward):
+            raise TypeError(
+                f"{type(pl_module).__name__} neither overrides `lpa3_model()` nor defines `forward()`, so LP-A3 has no "
+                "network to attack (the default `lpa3_model()` returns the module itself). Fix: return the network "
+                "from `lpa3_model()` (e.g. `def lpa3_model(self): return self.net`), or define `forward()`."
+            )
+        check_settings = getattr(pl_module, "lpa3_check_settings", None)
+        if callable(check_settings):
+            check_settings()  # a misspelled mixin setting fails here, not after a run on the defaults
         model = unwrap_compiled(pl_module.lpa3_model())
         resolve_layers(model, self.layers)  # fails early, listing the available layer names
         if self.attack_bn == "twin" and not has_dual_bn(model):
@@ -567,6 +603,7 @@ class LPA3Callback(Callback):
             self.cache = cache
         self._restored = False
         self._layer_names = None  # the model may differ from an earlier fit's
+        self._rows_recorded, self._coverage_checked = 0, False
 
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -587,7 +624,8 @@ class LPA3Callback(Callback):
         self._raise_together(error)
         pl_module.lpa3_set_augmented(None)
         self._pending = None
-        if trainer.current_epoch < self.warmup_epochs:
+        self._batch_key = (trainer.current_epoch, batch_idx)
+        if trainer.current_epoch < self.warmup_epochs or not self._module_consumes(pl_module, trainer.current_epoch):
             if self._sync_free:  # nothing is selected, but the values are checked: the warm-up step's one read
                 try:
                     self._raise_bad_values(request, memory, torch.stack(self._bad_value_counts(request)).tolist())
@@ -598,8 +636,9 @@ class LPA3Callback(Callback):
         augmented, tcs_selected, new_rows = None, 0, None
         try:  # the local work: a failure on one rank must reach the others before the cache's gather
             select = self._select_sync_free if self._sync_free else self._select
-            mask, tcs_selected, count = select(request, trainer.current_epoch)  # type: ignore[arg-type]
-            augmented, new_rows = self._augment(trainer, pl_module, request, mask, count)  # type: ignore[arg-type]
+            mask, tcs_selected, count, trained = select(request, trainer.current_epoch)  # type: ignore[arg-type]
+            augmented, new_rows = self._augment(trainer, pl_module, request, mask, count,  # type: ignore[arg-type]
+                                                trained)
         except Exception as exc:
             error = exc
         self._raise_together(error)
@@ -607,6 +646,13 @@ class LPA3Callback(Callback):
             self.cache.put(*self._gather_new(new_rows, request), epoch=trainer.current_epoch)  # type: ignore[arg-type]
         pl_module.lpa3_set_augmented(augmented)
         self._log_batch(pl_module, request, augmented, tcs_selected)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _module_consumes(pl_module: pl.LightningModule, epoch: int) -> bool:
+        """The module's word on whether its loss trains ``x'`` in ``epoch`` (a module without
+        :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented` always does)."""
+        consumes = getattr(pl_module, "lpa3_consumes_augmented", None)
+        return True if not callable(consumes) else bool(consumes(epoch))
 
     @staticmethod
     def _gather_new(new_rows: tuple[Tensor, Tensor, Tensor] | None, request: LPA3Request
@@ -628,8 +674,9 @@ class LPA3Callback(Callback):
             raise RuntimeError("LPA3Callback stopped because another process refused its batch; that process's "
                                "log has the reason and the fix.")
 
-    def _select(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int, int]:
-        """The samples to augment (mask), how many TCS selected before the filters below, and how many remain."""
+    def _select(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int, int, int | None]:
+        """The samples to augment (mask), how many TCS selected before the filters below, how many
+        remain, and (sync-free path only; None here) how many of those the request's ``train_mask`` keeps."""
         mask = self._memory().select(request.indices, epoch).to(request.inputs.device)
         tcs_selected = int(mask.sum())
         finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else mask
@@ -640,10 +687,11 @@ class LPA3Callback(Callback):
             # Batch statistics (twin BN in train mode) need two samples; a lone selection is
             # dropped for this batch rather than crashing BatchNorm1d models.
             mask, count = torch.zeros_like(mask), 0
-        return mask, tcs_selected, count
+        return mask, tcs_selected, count, None
 
-    def _select_sync_free(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int, int]:
-        """:meth:`_select` with one host read: the counts and the request's value checks in one copy."""
+    def _select_sync_free(self, request: LPA3Request, epoch: int) -> tuple[Tensor, int, int, int]:
+        """:meth:`_select` with one host read: the counts (the rows the ``train_mask`` keeps among
+        them too) and the request's value checks in one copy."""
         memory = self._memory()
         device = request.inputs.device
         # clamped: an out-of-range index must reach the named error below, not fail in the lookup
@@ -651,14 +699,15 @@ class LPA3Callback(Callback):
         tcs_mask = memory.select(safe, epoch, check_values=False).to(device)
         finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else tcs_mask
         mask = tcs_mask & finite
-        counts = torch.stack([mask.sum(), tcs_mask.sum(), (~finite).sum(),
+        trained = mask if request.train_mask is None else mask & request.train_mask.to(device)
+        counts = torch.stack([mask.sum(), tcs_mask.sum(), (~finite).sum(), trained.sum(),
                               *(c.to(device) for c in self._bad_value_counts(request))])
-        count, tcs_selected, nonfinite, *bad = counts.tolist()  # the step's one host read
+        count, tcs_selected, nonfinite, num_trained, *bad = counts.tolist()  # the step's one host read
         self._raise_bad_values(request, memory, bad)
         self._nonfinite = nonfinite
         if count == 1:  # as in _select: a lone selection is dropped
-            mask, count = torch.zeros_like(mask), 0
-        return mask, tcs_selected, count
+            mask, count, num_trained = torch.zeros_like(mask), 0, 0
+        return mask, tcs_selected, count, num_trained
 
     def _bad_value_counts(self, request: LPA3Request) -> list[Tensor]:
         """Device counts of the request's out-of-range indices and labels, and of the out-of-range
@@ -701,11 +750,13 @@ class LPA3Callback(Callback):
         check_class_labels(request.targets, num_classes, name="LPA3Request.targets", values=values)
 
     def _augment(self, trainer: pl.Trainer, pl_module: pl.LightningModule, request: LPA3Request,
-                 mask: Tensor, count: int) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:
+                 mask: Tensor, count: int, num_trained: int | None = None,
+                 ) -> tuple[AugmentedBatch, tuple[Tensor, Tensor, Tensor] | None]:
         """This rank's hard positives (no collective), and its newly solved rows for the cache:
         plan (:func:`plan_rows`), reference forward, solve, assemble (:func:`assemble_inputs`)."""
         if self._sync_free and self.cache is None:
-            return self._augment_uncached(pl_module, request, mask, count), None
+            trained = count if num_trained is None else num_trained
+            return self._augment_uncached(pl_module, request, mask, count, trained), None
         x, y, idx = request.inputs[mask], request.targets[mask], request.indices[mask]
         epoch = trainer.current_epoch
         # a cached x' is reused only for the label it was solved for (pseudo-labels change)
@@ -731,8 +782,9 @@ class LPA3Callback(Callback):
         stats, twin_statistics, bn_statistics = None, None, None
         self._last_solver_seconds = 0.0
         if x.shape[0]:
-            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, reference_x, reference_y,
-                                                                     bn_mode, trained if skipped else None)
+            twin_statistics, bn_statistics = self._reference_forward(
+                pl_module, model, reference_x, reference_y, bn_mode,
+                trained.nonzero().flatten() if skipped else None)  # type: ignore[union-attr]
         solved = x[solve]
         if solved.shape[0]:
             solved, stats = self._attack(pl_module, model, solved, y[solve], bn_mode, twin_statistics)
@@ -749,48 +801,76 @@ class LPA3Callback(Callback):
         return augmented, new_rows
 
     def _augment_uncached(self, pl_module: pl.LightningModule, request: LPA3Request, mask: Tensor,
-                          count: int) -> AugmentedBatch:
-        """Without a cache, every selected sample is solved: the sync-free path (no host read).
+                          count: int, num_trained: int) -> AugmentedBatch:
+        """Without a cache: the sync-free path (no host read). The ``count`` selected rows set the
+        twin statistics; the ``num_trained`` of them that the request's ``train_mask`` keeps (all
+        without a mask) are solved, the others counted in ``skipped``, as on the default path.
 
-        The ``count`` selected rows are gathered by position (:func:`selected_positions`) instead
-        of by boolean indexing, whose output size the host would have to read.
+        Rows are gathered by position (:func:`selected_positions`) instead of by boolean
+        indexing, whose output size the host would have to read; both counts came with the
+        selection's one host read.
         """
         rows = selected_positions(mask, count)
         x, y, idx = (t.index_select(0, rows.to(t.device)) for t in (request.inputs, request.targets, request.indices))
+        skipped = count - num_trained
+        keep: Tensor | None = None  # positions of the trained rows among the selected ones
+        if skipped:
+            trained = request.train_mask.to(mask.device).index_select(0, rows)  # type: ignore[union-attr]
+            keep = selected_positions(trained, num_trained)
+            mask = mask & request.train_mask.to(mask.device)  # type: ignore[union-attr]
         model, bn_mode = self._attack_model(pl_module, x)
-        x_out, stats, bn_statistics = x.detach().clone(), None, None
+        x_solve, y_solve, idx_solve = (x, y, idx) if keep is None else \
+            (t.index_select(0, keep.to(t.device)) for t in (x, y, idx))
+        x_out, stats, bn_statistics = x_solve.detach().clone(), None, None
         self._last_solver_seconds = None
         self._eval_preserved = None
-        if count:
-            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, x, y, bn_mode)
+        if num_trained:
+            twin_statistics, bn_statistics = self._reference_forward(pl_module, model, x, y, bn_mode, keep)
             # not timed: the solver's seconds would need a synchronisation
-            x_out, stats = self._solve(pl_module, model, x, y, self._generator_for(x), bn_mode, twin_statistics)
+            x_out, stats = self._solve(pl_module, model, x_solve, y_solve, self._generator_for(x), bn_mode,
+                                       twin_statistics)
             if self.log_eval_preservation:
-                self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x, x_out, y)
+                self._eval_preserved = self._preserved_in_eval_mode(pl_module, model, x_solve, x_out, y_solve)
         return AugmentedBatch(
-            inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats, reused=0, bn_mode=bn_mode,
+            inputs=x_out, targets=y_solve, indices=idx_solve, mask=mask, stats=stats, reused=0, bn_mode=bn_mode,
             bn_statistics=bn_statistics, allow_tf32=self.allow_tf32,
-            reference_inputs=x.detach() if bn_mode == "twin" and count else None)
+            reference_inputs=x.detach() if bn_mode == "twin" and num_trained else None, skipped=skipped)
 
     def _attack_model(self, pl_module: pl.LightningModule, x: Tensor) -> tuple[nn.Module, str]:
         """The network the solver attacks and its BatchNorm mode; the default feature layers are
         those whose hooks fire in the solver's forwards, probed once with the first selected rows."""
         model = unwrap_compiled(pl_module.lpa3_model())
         if self._layer_names is None and x.shape[0]:
+            self._check_logit_width(pl_module, model, x)
             self._layer_names = resolve_layers(model, self.layers, example_input=x)
         return model, self._bn_mode(model)
+
+    def _check_logit_width(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor) -> None:
+        """Once per fit, before the first solve: the model's logits must have ``lpa3_num_classes``
+        columns (narrower ones would fail deep inside the solver's gather; wider ones would
+        size the TCS memory wrongly). One no-grad forward of one row in eval mode, flags restored."""
+        with torch.no_grad(), eval_mode(model):
+            width = pl_module.lpa3_logits(model(x[:1])).shape[-1]  # type: ignore[operator]
+        expected = self._memory().num_classes
+        if width != expected:
+            raise ValueError(
+                f"{type(pl_module).__name__}'s model gives logits of {width} classes but lpa3_num_classes is {expected}. "
+                "Fix: set `self.lpa3_num_classes` to the width of the model's logits (the number of classes), or "
+                "make `lpa3_logits` return one column per class."
+            )
 
     def _reference_forward(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, y: Tensor,
                            bn_mode: str, trained: Tensor | None = None) -> tuple[Any, Any]:
         """The clean ``log p(y|x)`` of the selected rows under the normalisation that the solver
-        checks and the training forward of x' uses (kept, for the rows ``trained`` or all, to
-        measure ``lpa3/label_preserved`` after the step). Returns the twin BatchNorms' batch
+        checks and the training forward of x' uses (kept, for the rows at the positions
+        ``trained`` or all, to measure ``lpa3/label_preserved`` after the step). Returns the twin BatchNorms' batch
         statistics of all these clean rows (captured here and frozen; None without twins) and the
         statistics x' is trained under."""
         reference, twin_statistics = label_log_prob(
             model, x, y, bn_mode=bn_mode, logits_fn=pl_module.lpa3_logits,  # type: ignore[arg-type]
             temperature=self.temperature, allow_tf32=self.allow_tf32)
-        self._pending = (reference, y) if trained is None else (reference[trained], y[trained])
+        self._pending = (reference, y) if trained is None else \
+            (reference.index_select(0, trained.to(reference.device)), y.index_select(0, trained.to(y.device)))
         return twin_statistics, twin_statistics if bn_mode == "twin" else running_statistics(model)
 
     def _preserved_in_eval_mode(self, pl_module: pl.LightningModule, model: nn.Module, x: Tensor, x_adv: Tensor,
@@ -854,14 +934,12 @@ class LPA3Callback(Callback):
         return self._solver_range[1]
 
     def _generator_for(self, x: Tensor) -> torch.Generator | None:
+        """The solver's generator for this batch, seeded by (seed, rank, epoch, batch index)."""
         if self.seed is None:
             return None
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
-            self._generator.manual_seed(self.seed + self._rank)  # different noise on every rank
-            if self._generator_state is not None:
-                self._generator.set_state(self._generator_state)
-                self._generator_state = None
+        self._generator.manual_seed(batch_noise_seed(self.seed, self._rank, *self._batch_key))
         return self._generator
 
     def _log_mean(self, pl_module: pl.LightningModule, name: str, value: Tensor | float | None,
@@ -960,6 +1038,7 @@ class LPA3Callback(Callback):
         # threshold and the selection) is identical everywhere; a no-op on one process.
         indices, probs, targets = gather_predictions(indices.to(probs.device), probs,
                                                      None if targets is None else targets.to(probs.device))
+        self._rows_recorded += int(indices.shape[0])  # (a shape: no host read)
         self._update_memory(memory, indices.to(memory.device), probs, targets, trainer.current_epoch)
 
     def _update_memory(self, memory: TimeConsistency, indices: Tensor, probs: Tensor, targets: Tensor | None,
@@ -998,9 +1077,11 @@ class LPA3Callback(Callback):
             return
         if self._sync_free and int(self._bad_recorded_indices):  # the last steps' recorded indices (once an epoch)
             self._raise_bad_values(None, self.tcs, (0, 0, int(self._bad_recorded_indices)))  # type: ignore[arg-type]
+        self._check_memory_coverage()
         self.tcs.refresh_threshold()
-        if self.log_images_every_n_epochs and trainer.current_epoch % self.log_images_every_n_epochs == 0 \
-                and trainer.is_global_zero:
+        if self.log_images_every_n_epochs and trainer.current_epoch % self.log_images_every_n_epochs == 0:
+            # on every rank: the grid's request forwards the module in train mode (FixMatch's weak
+            # view), a collective under SyncBatchNorm; rank 0 logs it
             self._log_grid(trainer, pl_module)
         # the counts are of all ranks' gathered predictions: equal on every rank, like the threshold
         pl_module.log(f"{self._log_prefix}nonfinite_predictions", float(self._nonfinite_predictions), sync_dist=True,
@@ -1008,6 +1089,24 @@ class LPA3Callback(Callback):
         self._nonfinite_predictions = 0
         if self.tcs.has_threshold:
             pl_module.log(f"{self._log_prefix}threshold", float(self.tcs.threshold), sync_dist=True, reduce_fx="max")
+
+    def _check_memory_coverage(self) -> None:
+        """Once the memory was fed three times its size in rows, warn once when it saw far fewer
+        distinct indices than it has rows (``num_samples`` / ``lpa3_num_samples`` larger than
+        the set the indices come from): the rows never seen keep their first score, and the
+        threshold ranks them with the rest. (Three times: drawn with replacement, a set of N
+        rows shows 95% of its indices by then.)"""
+        if self._coverage_checked or self.tcs is None or self._rows_recorded < 3 * self.tcs.num_samples:
+            return
+        self._coverage_checked = True
+        seen, total = int(self.tcs.seen.sum()), self.tcs.num_samples  # one host read, once a fit
+        if seen < 0.8 * total:
+            rank_zero_warn(
+                f"LPA3Callback's TCS memory has {total} rows, but {self._rows_recorded} recorded predictions named only "
+                f"{seen} distinct dataset indices: the rows never seen keep their first score and take part in the "
+                "selection threshold. Fix: set `num_samples=` (or the module's `lpa3_num_samples`) to the size of the "
+                "set the recorded indices come from."
+            )
 
     def _log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dataset = getattr(trainer.train_dataloader, "dataset", None)
@@ -1035,6 +1134,8 @@ class LPA3Callback(Callback):
                                    graphs=False)  # a one-off solve: a graph would hold memory for the fit
         normalization = self._resolved_range if isinstance(self._resolved_range, Mapping) else None
         self.last_grid = comparison_grid(request.inputs, x_adv, normalization)
+        if not trainer.is_global_zero:
+            return
         if hasattr(logger, "log_image"):
             logger.log_image(key=f"{self._log_prefix}examples", images=[self.last_grid], step=trainer.global_step)
         else:
@@ -1046,12 +1147,20 @@ class LPA3Callback(Callback):
         if self._networks:  # several networks: one single-network state per name
             return {"version": _STATE_VERSION,
                     "networks": {name: child.state_dict() for name, child in self._networks.items()}}
-        generator_state = self._generator.get_state() if self._generator is not None else self._generator_state
         tcs_state = self.tcs.state_dict() if self.tcs is not None else None
         cache_state = self.cache.state_dict(include_inputs=self.checkpoint_cache) if self.cache is not None else None
-        return {"version": _STATE_VERSION, "tcs": tcs_state, "generator_state": generator_state,
+        return {"version": _STATE_VERSION, "tcs": tcs_state,
                 "augmentation_cache": cache_state, "global_rng": _global_rng_state(),
-                "last_update_epoch": self._last_update_epoch.cpu().clone()}
+                "last_update_epoch": self._last_update_epoch.cpu().clone(), "settings": self.solver_settings()}
+
+    def solver_settings(self) -> dict[str, Any]:
+        """The settings the solver ran with, as plain values (saved in checkpoints, so that
+        ``lpa3 show`` draws the ``x'`` that training made)."""
+        layers = self._layer_names if self._layer_names is not None else self.layers
+        return {"sigma": self.sigma, "steps": self.steps, "lam": self.lam, "temperature": self.temperature,
+                "max_step": self.max_step, "attack_bn": self.attack_bn, "project": self.project, "fast": self.fast,
+                "allow_tf32": self.allow_tf32, "layers": None if layers is None else
+                ([layers] if isinstance(layers, str) else list(layers))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         networks = state_dict.get("networks")
@@ -1078,8 +1187,7 @@ class LPA3Callback(Callback):
                 threshold_rule=self.threshold_rule,
             )
             self.tcs.load_state_dict(tcs_state)
-        self._generator_state = state_dict.get("generator_state")
-        self._generator = None
+        # (a "generator_state" of a version-3 checkpoint is not needed: the noise seed is derived per batch)
         self._last_update_epoch = state_dict.get("last_update_epoch", torch.zeros(0, dtype=torch.long)).clone()
         # Applied in on_train_start, after the model was built (which draws random numbers).
         self._rng_to_restore = state_dict.get("global_rng")

@@ -19,17 +19,25 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
     "all_equal", "any_rank_failed", "bytes_per_sample", "communication_device", "deduplicate_first",
-    "gather_predictions", "gather_rows", "is_distributed",
+    "gather_predictions", "gather_rows", "is_distributed", "needs_every_rank",
 ]
 
 
 def is_distributed() -> bool:
     """True inside an initialised process group with more than one process."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def needs_every_rank(model: nn.Module) -> bool:
+    """Whether a train-mode forward of ``model`` is a collective: a SyncBatchNorm in training
+    mode inside a process group of several processes all-gathers its batch statistics, so
+    every rank must make that forward, also with no rows of its own (an empty batch is fine:
+    SyncBatchNorm counts it as zero samples), or the others wait for it for ever."""
+    return is_distributed() and any(isinstance(m, nn.SyncBatchNorm) and m.training for m in model.modules())
 
 
 def communication_device() -> torch.device:

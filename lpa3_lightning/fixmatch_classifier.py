@@ -17,11 +17,11 @@ from lpa3_lightning.mixins.fixmatch import FixMatchLPA3Mixin, check_solve_traine
 
 __all__ = ["FixMatchClassifier", "build_ssl_backbone"]
 
-ARCHS = ("small_cnn", "wrn28_2", "wrn28_8", "preact_resnet18")
+ARCHS = ("small_cnn", "wrn28_2", "wrn28_8", "wrn37_2", "preact_resnet18")
 
 
 def build_ssl_backbone(arch: str, in_channels: int, num_classes: int) -> nn.Module:
-    """The paper's backbones (WRN-28-2, WRN-28-8 semi-supervised; PreAct ResNet-18 noisy labels) or a small
+    """The paper's backbones (WRN-28-2, WRN-28-8, WRN-37-2 semi-supervised; PreAct ResNet-18 noisy labels) or a small
     CNN for CPU runs.
 
     Raises:
@@ -39,12 +39,16 @@ def build_ssl_backbone(arch: str, in_channels: int, num_classes: int) -> nn.Modu
         from lpa3_lightning.models.wrn import wrn28_8
 
         return wrn28_8(num_classes, in_channels=in_channels)
+    if arch == "wrn37_2":
+        from lpa3_lightning.models.wrn import wrn37_2
+
+        return wrn37_2(num_classes, in_channels=in_channels)
     if arch == "preact_resnet18":
         from lpa3_lightning.models.preact_resnet import preact_resnet18
 
         return preact_resnet18(num_classes, in_channels=in_channels)
     raise ValueError(f"`arch` must be one of {ARCHS}, got {arch!r}. Fix: use 'wrn28_2' (CIFAR-10), 'wrn28_8' "
-                     "(CIFAR-100), 'preact_resnet18' (noisy labels) or 'small_cnn' (CPU runs).")
+                     "(CIFAR-100), 'wrn37_2' (STL-10), 'preact_resnet18' (noisy labels) or 'small_cnn' (CPU runs).")
 
 
 class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
@@ -59,7 +63,7 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
     (torchmetrics).
 
     Args:
-        arch: ``"small_cnn"``, ``"wrn28_2"`` or ``"wrn28_8"``.
+        arch: ``"small_cnn"``, ``"wrn28_2"``, ``"wrn28_8"``, ``"wrn37_2"`` or ``"preact_resnet18"``.
         in_channels: image channels.
         num_classes: classes.
         lr: initial learning rate (0.03).

@@ -46,6 +46,14 @@ def confident_batch(n: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Ten
     return torch.stack([data[i][0] for i in range(n)]), torch.stack([data[i][1] for i in range(n)])
 
 
+def randomize_bn_statistics(model: nn.Module) -> None:
+    """Running statistics away from (0, 1), so that a BatchNorm in eval mode is not the identity."""
+    for m in model.modules():
+        if isinstance(m, _BatchNorm) and m.running_mean is not None:
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer, cloned."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

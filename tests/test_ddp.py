@@ -27,10 +27,25 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
                           timeout=300, cwd=SCRIPT.parents[2])
 
 
-def _launch(tmp_path: Path, mode: str) -> tuple[dict, dict]:
-    done = _run(tmp_path, mode)
+#: the runs that end normally, made one after the other in one launch of two processes (their
+#: start-up is most of a short run's time); the runs that must fail (a refusal on one rank) and
+#: the one whose whole log is read get their own launch
+SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
+                "padded+sync_free", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
+                "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_shared")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(out), ",".join(SHARED_MODES)], capture_output=True,
+                          text=True, timeout=1200, cwd=SCRIPT.parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))  # type: ignore[return-value]
+    return out
+
+
+def _results(shared: Path, mode: str) -> tuple[dict, dict]:
+    return tuple(torch.load(shared / mode / f"rank{r}.pt", weights_only=False) for r in (0, 1))  # type: ignore[return-value]
 
 
 def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeConsistency]:
@@ -68,8 +83,8 @@ def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeCons
 
 
 @pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
-def test_memory_identical_on_both_ranks_and_selection_equals_single_process(tmp_path, path):
-    rank0, rank1 = _launch(tmp_path, "ignore_aug" + path)
+def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shared, path):
+    rank0, rank1 = _results(shared, "ignore_aug" + path)
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
     assert bool(rank0["tcs"]["seen"].all())
@@ -84,12 +99,12 @@ def test_memory_identical_on_both_ranks_and_selection_equals_single_process(tmp_
     torch.testing.assert_close(rank0["tcs"]["scores"], reference.scores, atol=1e-5, rtol=0)
 
     # rank 0 wrote the checkpoint: it holds the synced memory
-    saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
+    saved = torch.load(shared / ("ignore_aug" + path) / "final.ckpt", weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
     assert torch.equal(saved["memory"], rank1["tcs"]["memory"])
 
 
-def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "supervised")
+def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(shared):
+    rank0, rank1 = _results(shared, "supervised")
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
     for key in rank0["params"]:  # DDP kept the replicas equal, twins included
         assert torch.equal(rank0["params"][key], rank1["params"][key]) or "running" in key or "tracked" in key, key
@@ -101,18 +116,18 @@ def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(tmp_path):
 
 
 @pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
-def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(tmp_path, path):
-    rank0, rank1 = _launch(tmp_path, "empty_rank1" + path)
-    assert sum(int(m.sum()) for _, m in rank1["steps"]) == 0
-    assert sum(int(m.sum()) for _, m in rank0["steps"]) > 0
+def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(shared, path):
+    rank0, rank1 = _results(shared, "empty_rank1" + path)
+    # seen from the modules: rank 1 trained on no x', rank 0 did (its harness empties rank 1's selection)
+    assert sum(rank1["seen_augmented"]) == 0 and sum(rank0["seen_augmented"]) > 0
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
     twin_keys = [k for k in rank0["params"] if ".twin." in k and k.endswith(("weight", "bias"))]
     assert twin_keys and all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in twin_keys)
 
 
 @pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
-def test_padded_duplicates_update_each_sample_once_an_epoch(tmp_path, path):
-    rank0, rank1 = _launch(tmp_path, "padded" + path)
+def test_padded_duplicates_update_each_sample_once_an_epoch(shared, path):
+    rank0, rank1 = _results(shared, "padded" + path)
     assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
     assert rank0["applied"] == {epoch: N_PADDED for epoch in range(EPOCHS)}
 
@@ -162,16 +177,16 @@ def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
     assert reason in done.stdout + done.stderr
 
 
-def test_fixmatch_under_ddp_keeps_one_tcs_memory_over_the_unlabeled_set(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "fixmatch")
+def test_fixmatch_under_ddp_keeps_one_tcs_memory_over_the_unlabeled_set(shared):
+    rank0, rank1 = _results(shared, "fixmatch")
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
     assert rank0["tcs"]["num_samples"] == 64 and bool(rank0["tcs"]["seen"].all())  # both ranks' samples applied
     assert sum(p["num_augmented"] for p in rank0["parts"] + rank1["parts"]) > 0
 
 
-def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "dividemix")
+def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(shared):
+    rank0, rank1 = _results(shared, "dividemix")
     assert set(rank0["tcs"]) == {"net1", "net2"}
     for name in ("net1", "net2"):
         for key in ("memory", "scores", "seen", "threshold"):
@@ -189,8 +204,8 @@ def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(tmp_path):
         assert rank0["metrics"][key] == pytest.approx(rank1["metrics"][key]) and rank0["metrics"][key] > 0
 
 
-def test_the_stratified_dividemix_split_is_the_same_on_both_ranks(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "dividemix_stratified")
+def test_the_stratified_dividemix_split_is_the_same_on_both_ranks(shared):
+    rank0, rank1 = _results(shared, "dividemix_stratified")
     assert rank0["stratified_count"] == rank1["stratified_count"]
     assert set(rank0["stratified_count"]) == {"net1", "net2"}
     for name, count in rank0["stratified_count"].items():
@@ -199,12 +214,43 @@ def test_the_stratified_dividemix_split_is_the_same_on_both_ranks(tmp_path):
         assert set(w.unique().tolist()) <= {0.0, 1.0} and int(w.sum()) == count  # the kept count, as 0/1
 
 
-def test_pes_splits_the_same_way_on_both_ranks_through_all_three_phases(tmp_path):
-    rank0, rank1 = _launch(tmp_path, "pes")
+def test_pes_splits_the_same_way_on_both_ranks_through_all_three_phases(shared):
+    rank0, rank1 = _results(shared, "pes")
     assert torch.equal(rank0["labeled"], rank1["labeled"])  # the agreement split, all-reduced
     assert 0 < int(rank0["labeled"].sum()) < N
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
     for key, value in rank0["params"].items():  # the refine phase's partial update kept the replicas equal
         assert torch.allclose(value, rank1["params"][key], atol=1e-6), key
-    assert rank0["metrics"]["train/num_augmented"] >= 0 and rank0["metrics"]["lpa3/selected_fraction_epoch"] > 0
+    assert rank0["metrics"]["lpa3/selected_fraction_epoch"] > 0
+    # x' were trained in the semi phase (the label-preservation share exists only where the training
+    # forward of x' ran) and kept their label there
+    assert rank0["metrics"]["lpa3/label_preserved_epoch"] >= 0.99
+
+
+def test_each_rank_draws_its_own_solver_noise_after_a_resume(shared):
+    """Resumed from epoch 0's checkpoint, every rank's epoch-1 x' (its solver noise included) equal
+    an uninterrupted run's on that rank (once, rank 0's generator state was restored on every rank).
+    On the sync-free path, the GPU's default; the noise's seed does not depend on the path."""
+    runs = {mode: _results(shared, mode + "+sync_free") for mode in ("noise_full", "noise_resume")}
+    for rank in (0, 1):
+        full = [(idx, x) for epoch, idx, x in runs["noise_full"][rank]["x_prime"] if epoch == 1]
+        resumed = [(idx, x) for epoch, idx, x in runs["noise_resume"][rank]["x_prime"] if epoch == 1]
+        assert len(full) == len(resumed) == N // (2 * PER_RANK_BATCH)
+        assert sum(len(idx) for idx, _ in full) > 0
+        for (idx_a, x_a), (idx_b, x_b) in zip(full, resumed):
+            assert torch.equal(idx_a, idx_b), rank
+            torch.testing.assert_close(x_b, x_a, rtol=0, atol=1e-6, msg=f"rank {rank}")
+
+
+@pytest.mark.parametrize("mode", ["syncbn_dividemix", "syncbn_pes_grid"])
+def test_every_rank_makes_the_same_synced_batchnorm_forwards(shared, mode):
+    """A train-mode SyncBatchNorm forward is a collective on a GPU: a rank that skips one (PES's
+    guess with no unlabeled row, DivideMix's co-refinement with no labeled row, the image grid's
+    request, whose guess forward ran on rank 0 only) leaves the others waiting. A counting stand-in on the CPU: every rank
+    makes as many as the others."""
+    rank0, rank1 = _results(shared, mode)
+    assert rank0["synced_forwards"] > 0
+    assert rank0["synced_forwards"] == rank1["synced_forwards"]
+    if mode == "syncbn_pes_grid":
+        assert rank0["grid"] is not None and rank1["grid"] is not None  # made on both, logged by rank 0

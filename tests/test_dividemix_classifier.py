@@ -150,8 +150,13 @@ def test_without_the_callback_it_is_plain_dividemix_predicting_with_both_network
     pl.seed_everything(0)
     module = _module()
     trainer = _trainer(2, [], tmp_path)
-    trainer.fit(module, _data(), DataLoader(indexed_images(12), batch_size=12))
-    assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
+    val = DataLoader(indexed_images(12), batch_size=12)
+    trainer.fit(module, _data(), val)
+    x_val, y_val, _ = next(iter(val))  # the logged accuracy against the final weights' own (both networks)
+    module.eval()
+    with torch.no_grad():
+        accuracy = float(((module.net1(x_val) + module.net2(x_val)).argmax(1) == y_val).float().mean())
+    assert float(trainer.callback_metrics["val/acc"]) == pytest.approx(accuracy)
     assert float(trainer.callback_metrics["train/net1/loss_lpa3"]) == 0.0
     x = indexed_images(4)[0][0][None]
     module.eval()
@@ -188,3 +193,18 @@ def test_a_zero_weight_for_x_prime_is_refused_when_the_callback_attacks(tmp_path
     trainer = _trainer(1, [LPA3Callback(steps=1, warmup_epochs=1)], tmp_path, limit_train_batches=1)
     with pytest.raises(ValueError, match=r"\(lpa3_weight=0\)"):  # the reason given is the one that applies
         trainer.fit(_module(lpa3_weight=0.0), _data())
+
+
+def test_the_callback_solves_nothing_in_the_warm_up(monkeypatch, tmp_path):
+    """DivideMix trains x' after its warm-up only: no solve before, whatever the callback's own warm-up."""
+    solve = __import__("lpa3_lightning.callback", fromlist=["lpa3_attack"]).lpa3_attack
+    epochs: list[int] = []
+    module = _module(warmup_epochs=1)
+
+    def counted(model, x, y, **kwargs):
+        epochs.append(module.trainer.current_epoch)
+        return solve(model, x, y, **kwargs)
+
+    monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", counted)
+    _trainer(2, [LPA3Callback(ratio=1.0, steps=1, seed=0, warmup_epochs=0)], tmp_path).fit(module, _data())
+    assert epochs and set(epochs) == {1}

@@ -68,22 +68,56 @@ def test_callback_logs_the_grid_to_tensorboard(tmp_path):
 def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys):
     pl.seed_everything(0)
     module = LPA3Classifier(num_classes=2, in_channels=1)
-    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu",
+    callback = LPA3Callback(ratio=0.5, sigma=0.05, steps=2, max_step=0.7, seed=0)
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
     ckpt = tmp_path / "m.ckpt"
     trainer.save_checkpoint(ckpt)
-    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "6", "--steps", "2"])
+    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "6"])
     out = capsys.readouterr().out
-    assert "wrote" in out and "bn mode eval" in out and out.count("label preserved") == 6
+    # the training callback's settings, read from the checkpoint (not the command's own defaults)
+    assert "bn mode twin, sigma 0.05, 2 steps, max step 0.7 (settings from the checkpoint's LPA3Callback)" in out
+    assert "LPA3Classifier; label preserved: the true label" in out and out.count("label preserved True") == 6
     with Image.open(tmp_path / "show.png") as image:
         assert image.size == (6 * 30 + 2, 3 * 30 + 2)
     main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "capped.png"), "--num", "2", "--steps", "1",
-          "--max-step", "0.5"])
-    assert "max step 0.5" in capsys.readouterr().out and (tmp_path / "capped.png").is_file()
+          "--max-step", "0.5", "--bn-mode", "eval"])
+    assert "bn mode eval, sigma 0.05, 1 steps, max step 0.5" in capsys.readouterr().out
+    assert (tmp_path / "capped.png").is_file()
     with pytest.raises(SystemExit):
         main(["show", "--ckpt", str(ckpt), "--max-step", "0"])
     assert "--max-step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["fixmatch", "pes", "dividemix"])
+def test_show_command_draws_the_other_ready_modules_checkpoints(tmp_path, capsys, family):
+    from lpa3_lightning import DivideMixClassifier, FixMatchClassifier, PESClassifier
+    from lpa3_lightning.data import NoisyLabelDataModule, SemiSupervisedDataModule
+
+    pl.seed_everything(0)
+    if family == "fixmatch":
+        module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, lpa3_loss_warmup_epochs=0)
+        data = SemiSupervisedDataModule("mnist5k", num_labels=10, batch_size=4, mu=2, steps_per_epoch=1)
+    elif family == "pes":
+        module = PESClassifier(arch="small_cnn", in_channels=1, num_classes=10, early_epochs=1, refine_epochs=0)
+        data = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
+    else:
+        module = DivideMixClassifier(arch="small_cnn", in_channels=1, num_classes=10, warmup_epochs=1)
+        data = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
+    callback = LPA3Callback(ratio=0.5, sigma=0.03, steps=1, seed=0)
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, datamodule=data)
+    ckpt = tmp_path / f"{family}.ckpt"
+    trainer.save_checkpoint(ckpt)
+    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "4"])
+    out = capsys.readouterr().out
+    assert f"{type(module).__name__}; label preserved: the model prediction" in out
+    assert "of mnist5k" in out and "sigma 0.03, 1 steps, max step auto (settings from the checkpoint's" in out
+    assert out.count("label preserved True") == 4
+    with Image.open(tmp_path / "show.png") as image:
+        assert image.size == (4 * 30 + 2, 3 * 30 + 2)
 
 
 def test_grid_logging_does_not_change_the_training_run(tmp_path):

@@ -3,12 +3,22 @@
     python configs/ssl/make_configs.py
 
 One YAML per paper row (Yang et al., NeurIPS 2022, Table 1: FixMatch and FixMatch + LP-A3 on
-CIFAR-10 40/250/4000 labels, CIFAR-100 400/2500/10000, STL-10 1000), with the FixMatch recipe
-(Sohn et al., NeurIPS 2020: 2^20 steps, batch 64, mu 7, SGD Nesterov 0.03, cosine 7pi/16,
-EMA 0.999, threshold 0.95) and the LP-A3 authors' settings (sigma 0.002 for CIFAR-10 and
-STL-10, 0.02 for CIFAR-100, ratio 0.9, lam 1, 5 steps, the LP-A3 term with pseudo-label
-confidence >= 0.9 once the warm-up is over), plus CPU rows on MNIST-5k (shipped) and
-PneumoniaMNIST.
+CIFAR-10 40/250/4000 labels, CIFAR-100 400/2500/10000, STL-10 1000), with the settings of the LP-A3
+authors' FixMatch code and its run commands (CausalLearning/LPA3, ``FixMatch/fixmatch.py`` and
+``FixMatch/fixmatch_LPA3.py``, README lines 25-41), which is kekmodel/FixMatch-pytorch with LP-A3
+added: 2^18 steps for both (the paper's appendix says the same; FixMatch's own code runs 2^20),
+batch 64 (4 GPUs x 16), mu 7, SGD Nesterov 0.03, cosine 7pi/16, weight decay 5e-4 (1e-3 on
+CIFAR-100), EMA 0.999 with the BatchNorm buffers copied (FixMatchEMA), threshold 0.95, FixMatch's
+RandAugment with a 16 px Cutout, WRN-28-2 / WRN-28-8 / WRN-37-2; LP-A3 sigma 0.002 for CIFAR-10
+and STL-10, 0.02 for CIFAR-100, ratio 0.9, lam 1, 5 steps, the LP-A3 term with pseudo-label
+confidence >= 0.9 once the warm-up is over. ``tests/test_paper_rows.py`` checks every value
+against the reference, file and line. Plus CPU rows on MNIST-5k (shipped) and PneumoniaMNIST.
+
+STL-10: this row is the paper's and FixMatch's (1,000 labels, 96 px images, the 105,000 train +
+unlabeled images as the unlabeled set) on the paper's WRN-37-2. The LP-A3 authors' code departs
+from it: it labels all 5,000 training images, takes the 100,000 unlabeled ones alone and trains
+on 48 px crops of the 96 px images (``FixMatch/dataset/make_data.py`` lines 57-76); the published
+row does not say which was run.
 
 Epochs: here an epoch is one pass over the unlabeled set (the TCS threshold is refreshed after
 each, as in the authors' code). The authors' public FixMatch code counts its epochs in blocks
@@ -27,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 PAPER = {  # source -> (arch, classes, channels, sigma, weight decay, label counts, unlabeled set size)
     "cifar10": ("wrn28_2", 10, 3, 0.002, 5e-4, (40, 250, 4000), 50000),
     "cifar100": ("wrn28_8", 100, 3, 0.02, 1e-3, (400, 2500, 10000), 50000),
-    "stl10": ("wrn28_2", 10, 3, 0.002, 5e-4, (1000,), 105000),
+    "stl10": ("wrn37_2", 10, 3, 0.002, 5e-4, (1000,), 105000),
 }
 CPU = {  # source -> (arch, classes, channels, sigma, label counts, batch, max_steps, unlabeled set size)
     "mnist5k": ("small_cnn", 10, 1, 0.02, (10, 20, 40), 32, 1000, 4000),
@@ -42,7 +52,8 @@ def warmup_passes(warmup_steps: float, unlabeled: int, batch: int, mu: int = 7) 
 
 
 def _yaml(name: str, *, source: str, arch: str, classes: int, channels: int, wd: float, labels: int, batch: int,
-          max_steps: int, sigma: float | None, root: str | None, download: bool, note: str, warmup: int) -> str:
+          max_steps: int, sigma: float | None, root: str | None, download: bool, note: str, warmup: int,
+          steps_note: str = "") -> str:
     lpa3 = "" if sigma is None else f"""    - class_path: lpa3_lightning.LPA3Callback
       init_args:
         ratio: 0.9
@@ -56,7 +67,7 @@ def _yaml(name: str, *, source: str, arch: str, classes: int, channels: int, wd:
 seed_everything: 0
 test_after_fit: true
 trainer:
-  max_steps: {max_steps}
+  max_steps: {max_steps}{steps_note}
   max_epochs: -1
   accelerator: auto
   devices: 1
@@ -67,9 +78,10 @@ trainer:
       save_dir: runs/ssl/{name}
       name: ""
   callbacks:
-{lpa3}    - class_path: lightning.pytorch.callbacks.EMAWeightAveraging
+{lpa3}    - class_path: lpa3_lightning.FixMatchEMA
       init_args:
         decay: 0.999
+        copy_buffers: true  # FixMatch's reference EMA: parameters averaged, BN buffers copied
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args:
         save_last: true
@@ -97,6 +109,7 @@ data:
     split_file: runs/ssl/{name}/labeled_split.json
     batch_size: {batch}
     mu: 7
+    strong_augment: fixmatch  # FixMatch's RandAugment (2 ops, p 0.5, magnitude 1-9) + 16 px Cutout; or torchvision
     download: {str(download).lower()}
 """
 
@@ -109,10 +122,14 @@ def main() -> None:
                 name = f"{source}_{labels}_{'fixmatch_lpa3' if with_lpa3 else 'fixmatch'}"
                 note = (f"Paper row: {source.upper()} with {labels} labels, FixMatch{' + LP-A3' if with_lpa3 else ''}"
                         f" ({arch}); downloads the data set to data/ (needs internet).")
+                if source == "stl10":
+                    note += (" The LP-A3 authors' code labels all 5,000 training images and trains on 48 px crops "
+                             "instead (configs/ssl/make_configs.py says more).")
                 written.append((name, _yaml(name, source=source, arch=arch, classes=classes, channels=channels, wd=wd,
-                                            labels=labels, batch=64, max_steps=2**20,
+                                            labels=labels, batch=64, max_steps=AUTHORS_TOTAL_STEPS,
                                             sigma=sigma if with_lpa3 else None, root="data", download=True,
-                                            note=note, warmup=warmup_passes(AUTHORS_WARMUP_STEPS, unlabeled, 64))))
+                                            note=note, warmup=warmup_passes(AUTHORS_WARMUP_STEPS, unlabeled, 64),
+                                            steps_note="  # 2^18, the LP-A3 authors' (FixMatch's own code: 2^20)")))
     for source, (arch, classes, channels, sigma, counts, batch, steps, unlabeled) in CPU.items():
         root = None if source == "mnist5k" else "data/medmnist"
         warmup = warmup_passes(steps * AUTHORS_WARMUP_STEPS / AUTHORS_TOTAL_STEPS, unlabeled, batch)

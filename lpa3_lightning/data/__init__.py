@@ -9,6 +9,7 @@ from lpa3_lightning.data.resumable import EpochPermutationSampler, ResumableData
 from lpa3_lightning.data.semi_supervised import (
     SEMI_SUPERVISED_SOURCES,
     Cutout,
+    FixMatchRandAugment,
     LabeledDataset,
     SemiSupervisedDataModule,
     UnlabeledDataset,
@@ -24,7 +25,7 @@ from lpa3_lightning.data.semi_supervised import (
 __all__ = [
     "ASYMMETRIC_MAPPINGS", "NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset", "load_noisy_labels",
     "noisy_labels", "save_noisy_labels",
-    "Cutout", "EMBEDDED_DATA_DIR", "EpochPermutationSampler", "IndexedDataset", "LabeledDataset", "MedMNISTDataModule",
+    "Cutout", "FixMatchRandAugment", "EMBEDDED_DATA_DIR", "EpochPermutationSampler", "IndexedDataset", "LabeledDataset", "MedMNISTDataModule",
     "ResumableDataLoader", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "UnlabeledDataset", "eval_transform",
     "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",
     "weak_transform",

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.label_split import check_int
 from lpa3_lightning.data.split_batches import SplitBalancedSampler
+from lpa3_lightning.data.ssl_transforms import PADDING_MODES
 from lpa3_lightning.data.semi_supervised import (
     SEMI_SUPERVISED_SOURCES,
     SemiSupervisedDataModule,
@@ -80,6 +81,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
             (:class:`~lpa3_lightning.data.split_batches.SplitBalancedSampler`, as the authors'
             loaders do); False: shuffled passes over the whole set, the labeled share of a
             batch following the set's.
+        crop_padding: padding of the training views' random crop: ``"zeros"`` (default, PES's
+            and DivideMix's ``RandomCrop(32, padding=4)``) or ``"reflect"`` (FixMatch's).
 
     Example:
         >>> dm = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
@@ -105,8 +108,12 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         download: bool = False,
         flip: bool | None = None,
         balance_split: bool = True,
+        crop_padding: str = "zeros",
     ) -> None:
         super().__init__()
+        if crop_padding not in PADDING_MODES:
+            raise ValueError(f"`crop_padding` must be one of {sorted(PADDING_MODES)}, got {crop_padding!r}. Fix: use "
+                             "'zeros' (PES's and DivideMix's RandomCrop(32, padding=4)) or 'reflect'.")
         if source == "stl10":
             raise ValueError("`source='stl10'` has no labels on most of its training images, so label noise does not "
                              "apply. Fix: use 'cifar10', 'cifar100', 'mnist5k' or a MedMNIST flag.")
@@ -141,6 +148,7 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         if not isinstance(balance_split, bool):
             raise ValueError(f"`balance_split` must be True or False, got {balance_split!r}.")
         self.balance_split = balance_split
+        self.crop_padding = crop_padding
         self.train_dataset: TwoViewNoisyDataset | None = None
         self.train_eval_dataset: TwoViewNoisyDataset | None = None  # the training set in the evaluation view
         self.clean_train_labels: np.ndarray | None = None
@@ -183,7 +191,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
             clean = base.labels
             self.clean_train_labels = clean
             self.noisy_train_labels = self._draw_or_read(clean)
-            self.train_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels, self._images.weak_transform())
+            self.train_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels,
+                                                     self._images.weak_transform(self.crop_padding))
             # the same images and noisy labels in the evaluation view (DivideMix's per-sample losses)
             self.train_eval_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels, self._images.eval_transform())
         if stage in (None, "fit", "validate"):
@@ -258,6 +267,20 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         if state_dict.get("source") != self.source:
             raise ValueError(f"The checkpoint's noisy labels are for source={state_dict.get('source')!r}, not "
                              f"{self.source!r}. Fix: pass the checkpoint's source to resume that run.")
+        # the noise asked for must be the checkpoint's: a resumed run trains on the checkpoint's labels
+        asked = self._noise_meta()
+        differ = [key for key in ("mode", "rate", "convention", "mapping")
+                  if key in state_dict and state_dict[key] != asked[key]]
+        if differ:
+            saved = ", ".join(f"{key}={state_dict[key]!r}" for key in differ)
+            now = ", ".join(f"{key}={asked[key]!r}" for key in differ)
+            raise ValueError(f"The checkpoint's noisy labels were drawn with {saved}; this data module asks for {now}. "
+                             "A resumed run continues on the checkpoint's labels. Fix: resume with the checkpoint's "
+                             "noise settings (noise_mode, noise_rate, noise_convention, noise_mapping), or start a "
+                             "new run (no ckpt_path) for the new noise.")
+        if state_dict.get("seed") is not None and state_dict.get("seed") != self.seed:
+            rank_zero_warn(f"NoisyLabelDataModule: resuming on the checkpoint's noisy labels (seed "
+                           f"{state_dict.get('seed')}), not those of seed={self.seed}.")
         labels = np.asarray(state_dict["noisy_labels"], dtype=np.int64)
         if self.train_dataset is not None:
             if len(labels) != len(self.train_dataset):

@@ -45,11 +45,14 @@ from lpa3_lightning.data.label_split import (
     save_label_split,
     stratified_label_split,
 )
-from lpa3_lightning.data.ssl_transforms import Cutout, eval_transform, strong_transform, weak_transform
+from lpa3_lightning.data.ssl_transforms import (
+    STRONG_AUGMENTS, Cutout, FixMatchRandAugment, eval_transform, strong_transform, weak_transform,
+)
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, SUPPORTED_FLAGS, MedMNISTDataModule
 
 __all__ = [
     "Cutout",
+    "FixMatchRandAugment",
     "LabeledDataset",
     "MNIST5K_SPLIT_SEED",
     "SEMI_SUPERVISED_SOURCES",
@@ -82,13 +85,18 @@ _SOURCE_FACTS: dict[str, dict[str, Any]] = {
     # mean/std measured on the 5,000 images of mnist5k.npz.
     "mnist5k": {"num_classes": 10, "in_channels": 1, "image_size": 28, "num_train": 4000,
                 "mean": (0.1313,), "std": (0.3086,), "flip": False},
+    # The LP-A3 authors' constants, the same in their FixMatch, PES and DivideMix code
+    # (CausalLearning/LPA3 FixMatch/dataset/make_data.py lines 16-21; PES/PES_LPA3.py line 368;
+    # LiJunnan1992/DivideMix dataloader_cifar.py line 149). CIFAR-10's std is the widely copied
+    # (0.2023, 0.1994, 0.2010), not the data's (0.2470, 0.2435, 0.2616): the model sees the
+    # same inputs as in their runs, and LP-A3's input box follows.
     "cifar10": {"num_classes": 10, "in_channels": 3, "image_size": 32, "num_train": 50000,
-                "mean": (0.4914, 0.4822, 0.4465), "std": (0.2471, 0.2435, 0.2616), "flip": True},
+                "mean": (0.4914, 0.4822, 0.4465), "std": (0.2023, 0.1994, 0.2010), "flip": True},
     "cifar100": {"num_classes": 100, "in_channels": 3, "image_size": 32, "num_train": 50000,
-                 "mean": (0.5071, 0.4865, 0.4409), "std": (0.2673, 0.2564, 0.2762), "flip": True},
+                 "mean": (0.5071, 0.4867, 0.4408), "std": (0.2675, 0.2565, 0.2761), "flip": True},
     # train (5,000 labeled) + unlabeled (100,000) images, as in FixMatch.
     "stl10": {"num_classes": 10, "in_channels": 3, "image_size": 96, "num_train": 105000,
-              "mean": (0.4409, 0.4279, 0.3868), "std": (0.2683, 0.2610, 0.2687), "flip": True},
+              "mean": (0.4408, 0.4279, 0.3867), "std": (0.2682, 0.2610, 0.2686), "flip": True},
 }
 
 
@@ -358,6 +366,11 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             ``ceil(num_unlabeled / (mu * B))``.
         download: download missing torchvision / MedMNIST files into ``root`` (needs internet).
         flip: random horizontal flip in the weak and strong views; None: the source's default.
+        strong_augment: the strong view's augmentation: ``"fixmatch"`` (default; FixMatch's
+            RandAugment, each of 2 operations applied with probability 0.5 at a random magnitude,
+            and a 16 px Cutout, as its reference implementation) or ``"torchvision"``
+            (torchvision's ``RandAugment(2, 10)`` and a Cutout of random size; see
+            :func:`~lpa3_lightning.data.ssl_transforms.strong_transform`).
 
     Raises:
         ValueError: for an unknown source or an argument outside its range (the message names
@@ -386,9 +399,13 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         steps_per_epoch: int | None = None,
         download: bool = False,
         flip: bool | None = None,
+        strong_augment: str = "fixmatch",
     ) -> None:
         super().__init__()
         self._validate_source(source)
+        if strong_augment not in STRONG_AUGMENTS:
+            raise ValueError(f"`strong_augment` must be one of {STRONG_AUGMENTS}, got {strong_augment!r}. Fix: use "
+                             "'fixmatch' (FixMatch's RandAugment and 16 px Cutout, the reference) or 'torchvision'.")
         if source in _TORCHVISION_SOURCES and root is None:
             raise ValueError(f"`root` is required for source={source!r}: only mnist5k and breastmnist ship with the "
                              f"package. Fix: pass root=<folder for the {source} files> (download=True fetches them).")
@@ -425,6 +442,7 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         self.steps_per_epoch = steps_per_epoch
         self.download = download
         self.flip = facts["flip"] if flip is None else flip
+        self.strong_augment = strong_augment
         self._root_is_embedded = root is None
         self._source_facts = facts
 
@@ -504,13 +522,15 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------
     # Transforms
     # ------------------------------------------------------------------
-    def weak_transform(self) -> transforms.Compose:
-        """The weak view of this source (:func:`weak_transform`)."""
-        return weak_transform(self._source_facts["mean"], self._source_facts["std"], self.image_size, self.flip)
+    def weak_transform(self, padding_mode: str = "reflect") -> transforms.Compose:
+        """The weak view of this source (:func:`weak_transform`; FixMatch pads by reflection)."""
+        return weak_transform(self._source_facts["mean"], self._source_facts["std"], self.image_size, self.flip,
+                              padding_mode)
 
     def strong_transform(self) -> transforms.Compose:
-        """The strong view of this source (:func:`strong_transform`)."""
-        return strong_transform(self._source_facts["mean"], self._source_facts["std"], self.image_size, self.flip)
+        """The strong view of this source (:func:`strong_transform` with ``strong_augment``)."""
+        return strong_transform(self._source_facts["mean"], self._source_facts["std"], self.image_size, self.flip,
+                                augment=self.strong_augment)
 
     def eval_transform(self) -> transforms.Compose:
         """The evaluation view of this source (:func:`eval_transform`)."""
@@ -636,10 +656,16 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         meta = self._split_meta()
         if self.split_file is not None and self.split_file.is_file():
             expected = {key: meta[key] for key in ("source", "dataset_size", "num_labels")}
-            indices, _ = load_label_split(self.split_file, expected)
+            indices, file_meta = load_label_split(self.split_file, expected)
             if (labels[indices] < 0).any():
                 raise ValueError(f"Label split file {self.split_file} selects images without a label. Fix: pass "
                                  "split_file= another path (it is written there when missing), or delete this file.")
+            file_seed = file_meta.get("seed")
+            if file_seed is not None and file_seed != self.seed:
+                # a seed sweep that keeps one split_file path would train every seed on the same labels
+                rank_zero_warn(f"`split_file` {self.split_file} holds the labeled subset of seed {file_seed}, not of "
+                               f"seed={self.seed}: it is used as it is. Fix: for a new subset per seed, give each "
+                               "seed its own split_file (or delete this one).")
             return indices
         pool = np.flatnonzero(labels >= 0)  # STL-10: only its train images carry labels
         indices = pool[stratified_label_split(labels[pool], self.num_labels, self.num_classes, self.seed)]

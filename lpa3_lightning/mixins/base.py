@@ -11,6 +11,7 @@ the solver verified that every ``x'`` keeps its label (the callback measures it 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,67 @@ from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.augmented_forward import TrainForward, augmented_logits
 from lpa3_lightning.features import output_to_logits
 
-__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "split_indexed_batch"]
+__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "check_mixin_settings",
+           "mixin_settings", "split_indexed_batch"]
+
+# packages whose classes define no user setting (their attributes are not checked for typos)
+_FRAMEWORK_PACKAGES = ("lpa3_lightning", "lightning", "pytorch_lightning", "torch", "torchmetrics", "builtins")
+
+
+def mixin_settings(cls: type) -> dict[str, str]:
+    """The settings of the LP-A3 mixins ``cls`` inherits (their public annotated class attributes,
+    e.g. ``pes_early_epochs``), each with the name of the mixin that declares it."""
+    settings: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("lpa3_lightning.mixins"):
+            for name in vars(klass).get("__annotations__", {}):
+                if not name.startswith("_"):
+                    settings.setdefault(name, klass.__name__)
+    return settings
+
+
+def _user_attributes(module: Any) -> dict[str, Any]:
+    """The data attributes a user gave the module: its own (``self.x = ...``) and those of its
+    classes outside the framework packages (``class M(...): x = 1``)."""
+    found = dict(vars(module))
+    for klass in type(module).__mro__:
+        if klass.__module__.split(".")[0] in _FRAMEWORK_PACKAGES:
+            continue
+        for name, value in vars(klass).items():
+            if not callable(value) and not isinstance(value, (property, staticmethod, classmethod)):
+                found.setdefault(name, value)
+    return found
+
+
+def check_mixin_settings(module: Any) -> None:
+    """Refuse an attribute that looks like a misspelled or unprefixed mixin setting.
+
+    A setting is an attribute the mixin reads (``pes_early_epochs``); an attribute of another
+    name is never read, so a typo (``self.pes_early_epoch``) or the name without its prefix
+    (``self.early_epochs``) would leave the default running without a word. An attribute is
+    refused when it is a setting's name without its prefix, or within a small edit of a
+    setting's name, and that setting is not also set on the module.
+
+    Raises:
+        ValueError: naming the attribute, the setting it resembles and the fix.
+    """
+    settings = mixin_settings(type(module))
+    if not settings:
+        return
+    attributes = _user_attributes(module)
+    for name in attributes:
+        if name.startswith("_") or name in settings:
+            continue
+        unprefixed = [s for s in settings if s.split("_", 1)[-1] == name or s.endswith("_" + name)]
+        suspects = unprefixed or difflib.get_close_matches(name, list(settings), n=1, cutoff=0.85)
+        suspects = [s for s in suspects if s not in attributes]  # the real one is set too: another attribute
+        if suspects:
+            names = " or ".join(f"`{s}` ({settings[s]})" for s in suspects)
+            raise ValueError(
+                f"{type(module).__name__}.{name} is not a setting of the LP-A3 mixins, so it would be ignored and the "
+                f"default would run; did you mean {names}? Fix: set `self.{suspects[0]} = ...` instead (if "
+                f"`{name}` is an attribute of your own, also set `{suspects[0]}` explicitly, or rename `{name}`)."
+            )
 
 
 def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,6 +168,26 @@ class LPA3ModuleMixin:
         (:meth:`lpa3_networks`) returns the one named ``network``.
         """
         return self  # type: ignore[return-value]
+
+    def lpa3_check_settings(self) -> None:
+        """Refuse a misspelled or unprefixed mixin setting (:func:`check_mixin_settings`); the
+        callback calls it in ``setup``, and the mixins' loss methods on their first call."""
+        check_mixin_settings(self)
+        self.__dict__["_lpa3_settings_checked"] = True
+
+    def _lpa3_check_settings_once(self) -> None:
+        if not self.__dict__.get("_lpa3_settings_checked"):
+            self.lpa3_check_settings()
+
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        """Whether this module's loss trains ``x'`` in ``epoch`` (default: always).
+
+        The callback solves only in the epochs where this is True (and after its own
+        ``warmup_epochs``): a method that trains ``x'`` only in some phases (PES's semi-supervised
+        phase, DivideMix after its warm-up, FixMatch after its LP-A3 loss warm-up) says so here,
+        and no solve is spent on ``x'`` nobody trains. The TCS memory keeps updating either way.
+        """
+        return True
 
     def lpa3_networks(self) -> tuple[str, ...] | None:
         """Names of the networks LP-A3 runs on, each with its own memory, selection, twin BN and

@@ -19,7 +19,7 @@ DivideMix trains two networks on noisy labels:
    prediction)``, the prior uniform (the authors') unless ``class_prior`` gives the class shares.
    Evaluation adds both networks' logits.
 
-**LP-A3** (the paper's DivideMix rows; the authors released no code for them): each network has
+**LP-A3** (the paper's DivideMix rows; the authors released no code or command for them): each network has
 its own time-consistency memory, selection, twin BatchNorms and ``x'`` cache in one
 :class:`~lpa3_lightning.LPA3Callback` (the module names the networks in
 :meth:`lpa3_networks`); each network's unlabeled samples are attacked on that network with the
@@ -61,6 +61,7 @@ from lpa3_lightning.checks import (
     check_dataset_indices,
     check_split_loader_covered,
 )
+from lpa3_lightning.distributed import needs_every_rank
 from lpa3_lightning.dividemix import (
     clean_probability,
     clean_probability_per_class,
@@ -186,6 +187,10 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
 
     def dividemix_phase(self, epoch: int) -> DivideMixPhase:
         return "warmup" if epoch < self.dividemix_warmup_epochs else "semi"
+
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        """DivideMix trains ``x'`` after its warm-up only (the callback solves nothing before)."""
+        return epoch >= self.dividemix_warmup_epochs
 
     def dividemix_current_epoch(self) -> int:
         """The trainer's epoch; without a trainer, the one last given to :meth:`dividemix_begin_epoch`."""
@@ -322,10 +327,10 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         unlabeled = ~self._dm_labeled(network, idx)[0]
         u1, u2 = x1[unlabeled], x2[unlabeled]
         classes = int(self.lpa3_num_classes or 0)
-        if u1.shape[0] == 0:
+        own, other = self.dividemix_model(network), self.dividemix_model(self.dividemix_other(network))
+        if u1.shape[0] == 0 and not needs_every_rank(own):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
-        else:
-            own, other = self.dividemix_model(network), self.dividemix_model(self.dividemix_other(network))
+        else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
             with self._dm_guess_bn(own):
                 logits_own = self.lpa3_logits(own(torch.cat([u1, u2]))).float()
             was_training = other.training
@@ -383,6 +388,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``, ``loss_prior``,
             ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share`` and ``num_augmented``.
         """
+        self._lpa3_check_settings_once()
         x1, x2, y, idx = split_two_view_batch(batch)
         num_samples, num_classes = self._dm_sizes()
         check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
@@ -407,11 +413,12 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         self.lpa3_record_predictions(idx[~labeled], logits_u1, network=network)  # TCS: the unlabeled rows
         n_lab = int(labeled.sum())
         refined = x1.new_zeros(0, num_classes).float()
-        if n_lab:
+        if n_lab or needs_every_rank(model):  # (an empty forward where SyncBatchNorm syncs: every rank makes it)
             with torch.no_grad(), self._dm_guess_bn(model):
                 probs = torch.softmax(self.lpa3_logits(model(torch.cat([x1[labeled], x2[labeled]]))).float(), 1)
-            refined = co_refine(y[labeled], torch.stack([probs[:n_lab], probs[n_lab:]]), w[labeled],
-                                self.dividemix_temperature)
+            if n_lab:
+                refined = co_refine(y[labeled], torch.stack([probs[:n_lab], probs[n_lab:]]), w[labeled],
+                                    self.dividemix_temperature)
         inputs = torch.cat([x1[labeled], x2[labeled], x1[~labeled], x2[~labeled]])
         targets = torch.cat([refined, refined, guess, guess]).to(inputs.device)
         lam = mixup_lambda(self.dividemix_alpha)

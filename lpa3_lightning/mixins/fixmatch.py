@@ -130,6 +130,11 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
             train_mask = (confidence >= self.lpa3_confidence_threshold) & self._lpa3_term_on()
         return LPA3Request(inputs=x_weak, targets=pseudo, indices=idx, train_mask=train_mask)
 
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        """The LP-A3 term counts from ``lpa3_loss_warmup_epochs`` on: the callback solves nothing
+        before (with ``lpa3_solve_trained_only=False``, the authors' cost, it solves in the warm-up too)."""
+        return epoch >= self.lpa3_loss_warmup_epochs or not self.lpa3_solve_trained_only
+
     def _lpa3_term_on(self) -> bool:
         """Whether the LP-A3 term counts in this epoch (after ``lpa3_loss_warmup_epochs``)."""
         trainer = getattr(self, "_trainer", None)
@@ -167,6 +172,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
             only those above the second threshold) and ``lpa3_kept_rate`` (share of the selected
             rows above the second threshold).
         """
+        self._lpa3_check_settings_once()
         x, y, _, x_weak, x_strong, idx_u = split_semi_supervised_batch(batch)
         classes = self.lpa3_num_classes
         if classes is not None:

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
+from lpa3_lightning.distributed import needs_every_rank
 from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
 from lpa3_lightning.mixins.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.mixmatch import (
@@ -168,6 +169,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             return "refine"
         return "semi"
 
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        """PES trains ``x'`` in its semi-supervised phase only (the callback solves nothing before it)."""
+        return self.pes_phase(epoch) == "semi"
+
     @property
     def pes_semi_start(self) -> int:
         """First epoch of the semi-supervised phase (T1 + T2), where the ramp starts."""
@@ -271,9 +276,9 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             return cached[1]
         model = self.lpa3_model()
         classes = int(self.lpa3_num_classes or 0)
-        if u1.shape[0] == 0:
+        if u1.shape[0] == 0 and not needs_every_rank(model):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
-        else:
+        else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
             with BatchNormStatisticsFrozen(model):
                 logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
             probs = torch.softmax(logits, 1)
@@ -310,6 +315,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``,
             ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share`` and ``num_augmented``.
         """
+        self._lpa3_check_settings_once()
         x1, x2, y, idx = split_two_view_batch(batch)
         num_samples, num_classes_ = self._pes_sizes()
         check_dataset_indices(idx, num_samples, name="noisy-label batch indices")

@@ -37,6 +37,7 @@ class SupervisedLPA3Mixin(LPA3ModuleMixin):
             ``(loss, clean_logits, parts)`` where ``parts`` has ``loss_clean``, ``loss_aug``
             (0 when no sample was augmented) and ``num_augmented``.
         """
+        self._lpa3_check_settings_once()
         x, y, idx = self.lpa3_split_batch(batch)
         model = self.lpa3_model()
         logits = self.lpa3_logits(model(x))

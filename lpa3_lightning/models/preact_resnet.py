@@ -1,12 +1,23 @@
 """PreAct ResNet-18 (He et al., ECCV 2016, "Identity mappings in deep residual networks"), the
 noisy-label backbone of DivideMix, PES and LP-A3's noisy-label rows, for 32x32 (and 28x28) images.
 
-Pre-activation basic blocks (BN-ReLU-conv3x3 twice, identity or 1x1-conv shortcut taken after
-the first pre-activation when the shape changes), a 3x3 stem without pooling, four stages of
-two blocks with widths 64, 128, 256, 512, a final BN-ReLU, global average pooling and a linear
-head. Written from the paper. The stages are named ``layer1`` ... ``layer4`` (the default LP-A3
-feature layers, as the authors' PES code uses the four stage outputs); every BatchNorm is an
-``nn.BatchNorm2d``, so :func:`lpa3_lightning.dual_bn.convert_dual_bn` gives each a twin.
+The structure is the one of those methods' reference code (PES: tmllab/2021_NeurIPS_PES
+``networks/ResNet.py``; DivideMix: LiJunnan1992/DivideMix ``PreResNet.py``), which departs from
+the paper's pre-activation network in three places that change the parameters or the function:
+
+* the stem is a 3x3 convolution followed by BN and ReLU (no pooling);
+* every block pre-activates its input, ``pre = relu(bn1(x))``, and its shortcut starts from
+  ``pre`` (the identity shortcut carries ``pre``, not ``x``; a 1x1 convolution without BN when the
+  shape changes), then ``conv2(relu(bn2(conv1(pre)))) + shortcut(pre)``;
+* there is no BN-ReLU after the last stage: average pooling and a linear head follow it.
+
+Four stages of two blocks with widths 64, 128, 256, 512 and strides 1, 2, 2, 2. At 32x32 (and
+28x28) the last stage is 4x4, so the global average pooling used here equals the reference's
+4x4 average pooling. Written from that description; ``tests/models/test_preact_resnet.py``
+checks the layer order and the parameter count against a transcription of the reference's
+structure. The stages are named ``layer1`` ... ``layer4`` (the default LP-A3 feature layers, as
+the authors' PES code uses the four stage outputs); every BatchNorm is an ``nn.BatchNorm2d``, so
+:func:`lpa3_lightning.dual_bn.convert_dual_bn` gives each a twin.
 """
 
 from __future__ import annotations
@@ -23,17 +34,17 @@ class _PreActBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
-        self.shortcut = None if in_ch == out_ch and stride == 1 else nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
+        self.shortcut = nn.Identity() if in_ch == out_ch and stride == 1 else \
+            nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
         self.relu = nn.ReLU()
 
     def forward(self, x: Tensor) -> Tensor:
         pre = self.relu(self.bn1(x))
-        skip = x if self.shortcut is None else self.shortcut(pre)
-        return self.conv2(self.relu(self.bn2(self.conv1(pre)))) + skip
+        return self.conv2(self.relu(self.bn2(self.conv1(pre)))) + self.shortcut(pre)
 
 
 class PreActResNet(nn.Module):
-    """PreAct ResNet with basic blocks.
+    """PreAct ResNet with basic blocks, as in DivideMix's and PES's reference code.
 
     Args:
         blocks: blocks per stage (``(2, 2, 2, 2)`` for ResNet-18).
@@ -51,6 +62,8 @@ class PreActResNet(nn.Module):
         if len(blocks) != 4 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks):
             raise ValueError(f"`blocks` must be four positive ints, got {blocks!r}. Fix: (2, 2, 2, 2) for ResNet-18.")
         self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU()
         widths, in_ch = (64, 128, 256, 512), 64
         for stage, (width, count) in enumerate(zip(widths, blocks), start=1):
             layers = []
@@ -58,16 +71,15 @@ class PreActResNet(nn.Module):
                 layers.append(_PreActBlock(in_ch, width, 2 if (i == 0 and stage > 1) else 1))
                 in_ch = width
             setattr(self, f"layer{stage}", nn.Sequential(*layers))
-        self.bn = nn.BatchNorm2d(512)
-        self.relu = nn.ReLU()
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.linear = nn.Linear(512, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.layer4(self.layer3(self.layer2(self.layer1(self.conv1(x)))))
-        return self.linear(self.pool(self.relu(self.bn(out))).flatten(1))
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
+        return self.linear(self.pool(out).flatten(1))
 
 
 def preact_resnet18(num_classes: int = 10, in_channels: int = 3) -> PreActResNet:
-    """PreAct ResNet-18 (about 11.2 M parameters at 10 classes)."""
+    """PreAct ResNet-18 of DivideMix's and PES's code (11,171,274 parameters at 10 classes)."""
     return PreActResNet((2, 2, 2, 2), num_classes, in_channels)

@@ -1,51 +1,73 @@
 """Wide-ResNet-28-k (Zagoruyko & Komodakis, BMVC 2016), the backbone family of FixMatch and
-LP-A3's CIFAR rows.
+LP-A3's CIFAR rows, and its four-stage variant WRN-37-2 (LP-A3's STL-10 row).
 
-Pre-activation basic blocks (BN-LeakyReLU-conv3x3), three stages of ``(depth - 4) / 6`` blocks
-with widths ``16k, 32k, 64k``. Written from the paper, not a copy of FixMatch's network: its
-first blocks of stages 2 and 3 and its weight initialisation differ in details. The stages
-are named ``block1``, ``block2``, ``block3``: the default LP-A3 feature layers
-(:func:`lpa3_lightning.features.default_feature_layers`), as the authors use the outputs of
-the three WRN blocks. BatchNorm momentum 0.001 as in the
-FixMatch / LP-A3 WRN (docs/method.md).
+The function is the one of the FixMatch code the LP-A3 authors built on (kekmodel/FixMatch-pytorch
+``models/wideresnet.py``; the LP-A3 authors' ``FixMatch/models/wideresnet.py``, classes
+``BasicBlock``, ``WideResNet`` and ``WideResNetVar``), written here from this description:
+
+* a 3x3 stem convolution, then stages of ``(depth - 4) / 6`` pre-activation basic blocks
+  (BN-LeakyReLU(0.1)-conv3x3, twice) with widths ``16k, 32k, 64k`` (and ``128k`` in the
+  four-stage variant), strides 1, 2, 2 (, 2), then BN-LeakyReLU, global average pooling and a
+  linear head;
+* a block whose input and output widths agree adds its input to ``conv2(...(conv1(pre)))``
+  with ``pre = act(bn1(x))``;
+* the first block of the first stage pre-activates its input for both its convolution and its
+  1x1 shortcut; the first blocks of the later stages apply their first convolution and their
+  shortcut to the raw input. (The reference computes ``act(bn1(x))`` there too and discards
+  it; that BN is left out here, so each of those blocks has ``2 * in_channels`` parameters
+  fewer than the reference's, and the function is the same. An unused BN would also break DDP,
+  whose every parameter must receive a gradient.)
+* BatchNorm momentum 0.001; convolutions initialised Kaiming-normal (fan out, leaky ReLU),
+  BatchNorms to (1, 0), the linear head Xavier-normal with zero bias.
+
+The stages are named ``block1``, ``block2``, ... : the default LP-A3 feature layers
+(:func:`lpa3_lightning.features.default_feature_layers`), as the authors use the stage outputs.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["WideResNet", "wrn28_2", "wrn28_8"]
+__all__ = ["WideResNet", "wrn28_2", "wrn28_8", "wrn37_2"]
 
 BN_MOMENTUM = 0.001
 
 
 class _Block(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, stride: int, dropout: float) -> None:
+    """One basic block; ``first_of_stage`` chooses where a width change takes its input from
+    (``"preactivated"`` for the first stage's first block, ``"raw"`` for the later stages')."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, dropout: float, first_of_stage: str | None) -> None:
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(in_ch, momentum=BN_MOMENTUM)
+        self.changes_width = in_ch != out_ch
+        self.raw_input = self.changes_width and first_of_stage == "raw"
+        # the reference's bn1 of a raw-input block is computed and discarded: left out here
+        self.bn1 = None if self.raw_input else nn.BatchNorm2d(in_ch, momentum=BN_MOMENTUM)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch, momentum=BN_MOMENTUM)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.shortcut = None if in_ch == out_ch and stride == 1 else nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
+        self.shortcut = nn.Conv2d(in_ch, out_ch, 1, stride, bias=False) if self.changes_width else None
         self.act = nn.LeakyReLU(0.1)
 
     def forward(self, x: Tensor) -> Tensor:
-        pre = self.act(self.bn1(x))
-        out = self.conv1(pre)
-        out = self.conv2(self.drop(self.act(self.bn2(out))))
-        return out + (x if self.shortcut is None else self.shortcut(pre))
+        source = x if self.bn1 is None else self.act(self.bn1(x))
+        out = self.conv2(self.drop(self.act(self.bn2(self.conv1(source)))))
+        if self.shortcut is None:
+            return out + x
+        return out + self.shortcut(source)
 
 
 class WideResNet(nn.Module):
-    """WRN-depth-width for small images (32x32 CIFAR / STL crops, any size works).
+    """WRN-depth-width for small images (32x32 CIFAR, STL-10 at any size).
 
     Args:
         num_classes: output classes.
-        depth: 6n + 4 (28 in FixMatch).
+        depth: 6n + 4 (28 in FixMatch): n blocks per stage.
         width: widening factor k (2 for CIFAR-10).
         in_channels: input channels.
         dropout: dropout inside blocks (0 in FixMatch).
+        stages: 3 (WRN-28-k) or 4 (the four-stage variant: WRN-37-2 at depth 28, width 2).
 
     Example:
         >>> import torch
@@ -54,28 +76,42 @@ class WideResNet(nn.Module):
     """
 
     def __init__(self, num_classes: int = 10, depth: int = 28, width: int = 2, in_channels: int = 3,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, stages: int = 3) -> None:
         super().__init__()
         if (depth - 4) % 6 or depth < 10:
             raise ValueError(f"`depth` must be 6n + 4 (e.g. 28), got {depth}.")
+        if stages not in (3, 4):
+            raise ValueError(f"`stages` must be 3 (WRN-28-k) or 4 (WRN-37-2), got {stages!r}.")
         n = (depth - 4) // 6
-        widths = [16, 16 * width, 32 * width, 64 * width]
+        widths = [16] + [16 * width * 2**s for s in range(stages)]
         self.conv = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)
-        self.block1 = self._stage(widths[0], widths[1], n, 1, dropout)
-        self.block2 = self._stage(widths[1], widths[2], n, 2, dropout)
-        self.block3 = self._stage(widths[2], widths[3], n, 2, dropout)
-        self.bn = nn.BatchNorm2d(widths[3], momentum=BN_MOMENTUM)
+        for s in range(stages):
+            setattr(self, f"block{s + 1}", self._stage(widths[s], widths[s + 1], n, 1 if s == 0 else 2, dropout,
+                                                       "preactivated" if s == 0 else "raw"))
+        self.stages = stages
+        self.bn = nn.BatchNorm2d(widths[-1], momentum=BN_MOMENTUM)
         self.act = nn.LeakyReLU(0.1)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(widths[3], num_classes)
+        self.fc = nn.Linear(widths[-1], num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="leaky_relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.xavier_normal_(m.weight)
+                nn.init.zeros_(m.bias)
 
     @staticmethod
-    def _stage(in_ch: int, out_ch: int, n: int, stride: int, dropout: float) -> nn.Sequential:
-        return nn.Sequential(*[_Block(in_ch if i == 0 else out_ch, out_ch, stride if i == 0 else 1, dropout)
-                               for i in range(n)])
+    def _stage(in_ch: int, out_ch: int, n: int, stride: int, dropout: float, first: str) -> nn.Sequential:
+        return nn.Sequential(*[_Block(in_ch if i == 0 else out_ch, out_ch, stride if i == 0 else 1, dropout,
+                                      first if i == 0 else None) for i in range(n)])
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.block3(self.block2(self.block1(self.conv(x))))
+        out = self.conv(x)
+        for s in range(1, self.stages + 1):
+            out = getattr(self, f"block{s}")(out)
         return self.fc(self.pool(self.act(self.bn(out))).flatten(1))
 
 
@@ -87,3 +123,9 @@ def wrn28_2(num_classes: int = 10, in_channels: int = 3) -> WideResNet:
 def wrn28_8(num_classes: int = 100, in_channels: int = 3) -> WideResNet:
     """WRN-28-8 (23.4 M parameters), FixMatch's and LP-A3's CIFAR-100 backbone."""
     return WideResNet(num_classes, 28, 8, in_channels)
+
+
+def wrn37_2(num_classes: int = 10, in_channels: int = 3) -> WideResNet:
+    """WRN-37-2: four stages of four blocks (widths 32, 64, 128, 256), LP-A3's STL-10 backbone
+    (the LP-A3 authors' ``WideResNetVar`` at depth 28, width 2)."""
+    return WideResNet(num_classes, 28, 2, in_channels, stages=4)

@@ -26,8 +26,11 @@ def test_batches_carry_two_views_the_noisy_label_and_the_index(dm):
 def test_the_noise_applied_is_the_requested_share_and_val_test_keep_clean_labels(dm):
     wrong = dm.noisy_train_labels != dm.clean_train_labels
     assert dm.num_train == 4000 and int(wrong.sum()) == 3200
-    x, y, _ = next(iter(dm.val_dataloader()))
-    assert x.shape[0] == 500 and int(y.max()) <= 9  # MNIST-5k validates on its clean test split
+    x, y, idx = next(iter(dm.val_dataloader()))
+    from lpa3_lightning.data import load_mnist5k
+
+    clean = torch.as_tensor(load_mnist5k()["test_labels"], dtype=torch.long)
+    assert x.shape[0] == 500 and torch.equal(y.long(), clean[idx])  # MNIST-5k validates on its clean test split
 
 
 def test_noise_file_is_written_then_read_and_a_file_for_another_rate_is_refused(tmp_path):
@@ -63,7 +66,8 @@ def test_state_dict_restores_the_noisy_labels_of_a_checkpoint(dm):
     fresh = NoisyLabelDataModule("mnist5k", noise_rate=0.8, seed=5)
     fresh.setup("fit")
     assert not np.array_equal(fresh.noisy_train_labels, dm.noisy_train_labels)
-    fresh.load_state_dict(state)
+    with pytest.warns(UserWarning, match="resuming on the checkpoint's noisy labels"):  # another seed
+        fresh.load_state_dict(state)
     assert np.array_equal(fresh.noisy_train_labels, dm.noisy_train_labels)
     assert torch.equal(fresh.train_dataset.labels, torch.as_tensor(dm.noisy_train_labels))
     assert fresh.state_dict()["seed"] == dm.state_dict()["seed"] != 5  # the labels in use are the checkpoint's
@@ -77,3 +81,15 @@ def test_a_noise_file_of_another_convention_is_refused(tmp_path):
     other = NoisyLabelDataModule("mnist5k", noise_rate=0.5, noise_convention="any", noise_file=str(path))
     with pytest.raises(ValueError, match="convention='other', not convention='any'"):
         other.setup("fit")
+
+
+def test_a_resume_with_other_noise_settings_is_refused_naming_them(dm):
+    state = dm.state_dict()  # 80% symmetric
+    other = NoisyLabelDataModule("mnist5k", noise_rate=0.5)
+    other.setup("fit")
+    with pytest.raises(ValueError, match="drawn with rate=0.8; this data module asks for rate=0.5.*noise_rate"):
+        other.load_state_dict(state)
+    asymmetric = NoisyLabelDataModule("mnist5k", noise_mode="asymmetric", noise_rate=0.8)
+    asymmetric.setup("fit")
+    with pytest.raises(ValueError, match="mode='symmetric'"):
+        asymmetric.load_state_dict(state)

@@ -1,12 +1,16 @@
 """A 2-process CPU (gloo) DDP fit, launched by tests/test_ddp.py as a script.
 
     python tests/ddp/run_ddp.py OUT_DIR {ignore_aug,supervised,empty_rank1,padded,bad_rank1,user_module,
-                                         bad_index_rank1,crash_rank1,fixmatch,pes,dividemix,dividemix_stratified}
+                                         bad_index_rank1,crash_rank1,fixmatch,pes,dividemix,dividemix_stratified,
+                                         noise_full,noise_first,noise_resume,syncbn_pes,syncbn_dividemix,
+                                         syncbn_pes_grid}
 
 'supervised' also caches x' (regenerate_every_n_epochs=2). 'user_module' trains a module
 written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
 and 'crash_rank1' make one rank's ``lpa3_request`` return an out-of-range index or raise a
-RuntimeError: every rank must stop with the reason instead of hanging.
+RuntimeError: every rank must stop with the reason instead of hanging. 'noise_full' trains 2 epochs,
+'noise_first' 1 epoch and writes a checkpoint, 'noise_resume' resumes it (OUT_DIR's sibling
+``noise_first``) for the second; each rank records every step's x'.
 
 Lightning's "ddp" strategy starts the second process by running this script again. Each
 rank writes ``OUT_DIR/rank{R}.pt`` with its TCS state and every step's (indices, mask); rank 0
@@ -101,6 +105,7 @@ class Recording(LPA3Callback):
         self.bad_rank = bad_rank
         self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.applied_per_epoch: dict[int, int] = {}
+        self.x_prime: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (epoch, indices, x') per step
 
     def _check_request(self, request, num_classes, num_samples, values=True):
         if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
@@ -123,26 +128,110 @@ class Recording(LPA3Callback):
         finally:
             del self.tcs.update
 
+    def _augment(self, trainer, pl_module, *args, **kwargs):
+        augmented, new_rows = super()._augment(trainer, pl_module, *args, **kwargs)
+        self.x_prime.append((trainer.current_epoch, augmented.indices.cpu().clone(), augmented.inputs.cpu().clone()))
+        return augmented, new_rows
+
     def _select(self, request, epoch):
         return self._recorded(request, *super()._select(request, epoch))
 
     def _select_sync_free(self, request, epoch):
         return self._recorded(request, *super()._select_sync_free(request, epoch))
 
-    def _recorded(self, request, mask, tcs_selected, count):
+    def _recorded(self, request, mask, tcs_selected, count, trained):
         if self.empty_rank is not None and self._rank == self.empty_rank:
-            mask, count = torch.zeros_like(mask), 0
+            mask, count, trained = torch.zeros_like(mask), 0, None if trained is None else 0
         self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
-        return mask, tcs_selected, count
+        return mask, tcs_selected, count, trained
 
     def on_train_start(self, trainer, pl_module):
         self._rank = trainer.global_rank
         super().on_train_start(trainer, pl_module)
 
 
+SYNCED_FORWARDS = [0]  # train-mode SyncBatchNorm forwards of this process (the stand-in's count)
+
+
+def _count_synced_forwards() -> None:
+    """A stand-in for SyncBatchNorm on the CPU (torch syncs BN on GPUs only): each train-mode
+    forward, a collective on a GPU, is counted and normalised locally. Every rank must count as
+    many as the others, or on a GPU the ones ahead would wait for ever."""
+
+    def forward(self, x):
+        if self.training:
+            SYNCED_FORWARDS[0] += 1
+        momentum = 0.0 if self.momentum is None else self.momentum
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, momentum,
+                            self.eps)
+
+    nn.SyncBatchNorm.forward = forward
+    # DDP refuses SyncBatchNorm on CPU modules; the stand-in needs no GPU
+    torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
+
+
+def _synced(net: nn.Module) -> nn.Module:
+    """``net`` with SyncBatchNorm (main, the stand-in) and local twins for x'."""
+    return convert_dual_bn(nn.SyncBatchNorm.convert_sync_batchnorm(net))
+
+
+def _syncbn_run(out: Path, mode: str) -> None:
+    """PES and DivideMix over synced BatchNorm, where rank 1's batches leave one side of a split
+    empty: PES's guess (no unlabeled row), DivideMix's co-guess and co-refinement (no unlabeled
+    row on even steps, no labeled row on odd ones); and PES's image grid, whose request forwards
+    the guess (logged by rank 0 only)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lpa3_lightning import DivideMixClassifier, PESClassifier
+    from tests.mixins.test_pes import NoisyTwoViews, _net
+
+    _count_synced_forwards()
+    SYNCED_FORWARDS[0] = 0  # (several runs may share the process)
+    logger, callback_args = False, {}
+    if mode in ("syncbn_pes", "syncbn_pes_grid"):
+        if mode == "syncbn_pes_grid":
+            logger = TensorBoardLogger(out, name="")
+            callback_args = {"log_images_every_n_epochs": 1, "num_logged_images": 4}
+        module = PESClassifier(num_classes=3, num_samples=N, model=_synced(_net()), twin_bn=False, early_epochs=1,
+                               refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0)
+        split = module._pes_split_rows
+
+        def rank1_all_labeled(idx):
+            rows = split(idx)
+            return torch.ones_like(rows) if module.trainer.global_rank == 1 else rows
+
+        module._pes_split_rows = rank1_all_labeled
+        loader = DataLoader(NoisyTwoViews(N), batch_size=PER_RANK_BATCH, shuffle=True)
+    else:  # syncbn_dividemix
+        module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0,
+                                     twin_bn=False)
+        module.net1, module.net2 = _synced(module.net1), _synced(module.net2)
+        labeled = module._dm_labeled
+
+        def rank1_one_side(network, idx):
+            rows, w = labeled(network, idx)
+            if module.trainer.global_rank == 1:
+                rows = torch.full_like(rows, module.trainer.global_step % 2 == 1)
+            return rows, w
+
+        module._dm_labeled = rank1_one_side
+        loader = DataLoader(NoisyTwoViews(N), batch_size=PER_RANK_BATCH, shuffle=True)
+    callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=1, **callback_args)
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=3, callbacks=[callback],
+                         logger=logger, enable_checkpointing=False, enable_progress_bar=False, log_every_n_steps=1,
+                         enable_model_summary=False, default_root_dir=out)
+    trainer.fit(module, loader)
+    torch.save({"synced_forwards": SYNCED_FORWARDS[0], "grid": callback.last_grid,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+               out / f"rank{trainer.global_rank}.pt")
+
+
 def main(out: Path, mode: str) -> None:
     mode, _, path = mode.partition("+")  # "<mode>+sync_free": the callback's sync-free per-batch path
     sync_free = path == "sync_free"
+    if mode.startswith("syncbn_"):
+        _syncbn_run(out, mode)
+        return
     pl.seed_everything(0)
     user = mode in ("user_module", "bad_index_rank1", "crash_rank1")
     if mode == "fixmatch":
@@ -193,6 +282,20 @@ def main(out: Path, mode: str) -> None:
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    out / f"rank{trainer.global_rank}.pt")
         return
+    if mode.startswith("noise_"):  # noise_full: 2 epochs; noise_first: epoch 0 + checkpoint; noise_resume: epoch 1
+        callback = Recording(ratio=0.5, steps=2, seed=0, sync_free=sync_free)
+        trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1 if mode == "noise_first" else 2,
+                             callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out, deterministic=True)
+        first = out.parent / out.name.replace("noise_resume", "noise_first")  # (noise_first ran before)
+        ckpt = first / "epoch0.ckpt" if mode == "noise_resume" else None
+        # no dropout (torch's global random state is not restored per rank under DDP) and x' not
+        # trained: the weights of both runs stay equal, so x' differ only by the solver's noise
+        trainer.fit(IgnoresAugmentation(), DataLoader(indexed_images(N), batch_size=PER_RANK_BATCH), ckpt_path=ckpt)
+        if mode == "noise_first":
+            trainer.save_checkpoint(out / "epoch0.ckpt")
+        torch.save({"x_prime": callback.x_prime}, out / f"rank{trainer.global_rank}.pt")
+        return
     if user:
         module = UserModule(fault=None if mode == "user_module" else mode)
     else:
@@ -217,4 +320,11 @@ def main(out: Path, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    # one mode: OUT_DIR/rank{R}.pt; several (comma-separated): each in OUT_DIR/<mode>/, one after the
+    # other in the same two processes (their start-up is most of a short run's time)
+    modes = sys.argv[2].split(",")
+    for run_mode in modes:
+        target = Path(sys.argv[1]) if len(modes) == 1 else Path(sys.argv[1]) / run_mode
+        target.mkdir(parents=True, exist_ok=True)
+        print(f"### {run_mode}", flush=True)
+        main(target, run_mode)

@@ -201,15 +201,35 @@ def test_without_the_callback_it_is_plain_fixmatch(tmp_path):
 
 def test_a_cached_x_prime_is_reused_only_for_its_pseudo_label(tmp_path):
     """Pseudo-labels change between epochs: a cached x' solved for another label is solved again."""
+    rows: list[tuple[int, int, int, torch.Tensor, bool]] = []  # (epoch, index, label, x', solved now)
+
+    class Recording(LPA3Callback):
+        def _augment(self, trainer, pl_module, *args, **kwargs):
+            augmented, new_rows = super()._augment(trainer, pl_module, *args, **kwargs)
+            solved = set() if new_rows is None else set(new_rows[0].tolist())
+            for i, label, x in zip(augmented.indices.tolist(), augmented.targets.tolist(), augmented.inputs):
+                rows.append((trainer.current_epoch, i, label, x.clone(), i in solved))
+            return augmented, new_rows
+
     pl.seed_everything(0)
     module = UserFixMatch(num_unlabeled=64, confidence=0.4)
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, input_range=None, regenerate_every_n_epochs=3)
+    callback = Recording(ratio=1.0, steps=1, seed=0, input_range=None, regenerate_every_n_epochs=3)
     _trainer(tmp_path, [callback], max_epochs=2).fit(module, _loaders())
-    cache = callback.cache
-    written = cache.written >= 0
-    assert bool(written.any())
-    # every stored entry remembers the pseudo-label it was solved for
-    assert bool((cache.labels[written] >= 0).all())
+    first = {i: (label, x) for epoch, i, label, x, _ in rows if epoch == 0}
+    kept = changed = 0
+    for epoch, i, label, x, solved in rows:
+        if epoch != 1 or i not in first:
+            continue
+        label0, x0 = first[i]
+        if label == label0:  # the same pseudo-label: the cached x' is reused as it was
+            assert not solved and torch.equal(x, x0), i
+            kept += 1
+        else:  # another pseudo-label: solved again, for it
+            assert solved and not torch.equal(x, x0), i
+            changed += 1
+    assert kept > 0 and changed > 0
+    last = {i: label for _, i, label, _, solved in rows if solved}  # the cache remembers the last label solved
+    assert all(int(callback.cache.labels[i]) == label for i, label in last.items())
 
 
 def test_labels_out_of_range_are_refused_by_name():
@@ -247,7 +267,7 @@ def test_a_sync_free_fixmatch_step_makes_at_most_one_host_read_more_than_plain_f
         count = CountOneStep(epoch=1, batch_idx=1)
         middle = [LPA3Callback(ratio=0.5, steps=2, seed=0, input_range=None, sync_free=True)] if name != "plain" \
             else []
-        module = Quiet(num_unlabeled=64)
+        module = Quiet(num_unlabeled=64, confidence=0.4)  # some rows pass the second threshold
         _trainer(tmp_path, [count.opener, *middle, count], max_epochs=2).fit(module, _loaders())
         totals[name] = count.counter
     assert float(module.parts[5]["num_augmented"]) > 1  # the counted step (epoch 1, batch 1) trained on x'
@@ -330,7 +350,9 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
         calls: list[int] = []
         monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", _deterministic_solver(calls))
         pl.seed_everything(0)
-        module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.7)  # some rows pass, some do not
+        # some rows pass, some do not; with a cache no loss warm-up (an x' cached in it would be
+        # reused after it, which the run that does not solve in the warm-up cannot do)
+        module = UserFixMatch(num_unlabeled=64, loss_warmup=0 if cache else 1, confidence=0.7)
         module.lpa3_solve_trained_only = solve_trained_only
         module.lpa3_train_forward = train_forward
         callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None,
@@ -345,10 +367,38 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
     assert any(a["loss_lpa3"] > 0 for a in authors)  # the term trained
     assert any(0 < a["lpa3_kept_rate"] < 1 for a in authors)  # and some selected rows were below the threshold
     if train_forward == "verified" and not cache:
-        # epoch 1 on (epoch 0: the callback's warm-up); in epoch 1 the authors solve rows the loss still ignores
+        # the authors solve in epoch 0 (the loss warm-up) too, and rows the loss ignores after it
         assert sum(trained_calls) < sum(authors_calls)
-    else:
+    elif cache:
         assert trained_calls == authors_calls
+    else:
+        # every selected row is solved, but not in the loss warm-up (epoch 0, 4 steps of one solve
+        # each at ratio 1), where the module says it trains no x' (lpa3_consumes_augmented)
+        assert trained_calls == authors_calls[4:] and len(authors_calls) == 12
+
+
+def test_the_sync_free_path_solves_only_the_trained_rows_as_the_default_path_does(tmp_path, monkeypatch):
+    """The request's train_mask on both per-batch paths: the same rows solved at every step, the
+    same LP-A3 term and the same logged skipped share (the sync-free path once solved every
+    selected row and logged a skipped share of 0)."""
+    runs = {}
+    for sync_free in (False, True):
+        calls: list[int] = []
+        monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", _deterministic_solver(calls))
+        pl.seed_everything(0)
+        module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.7)
+        callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None, sync_free=sync_free)
+        trainer = _trainer(tmp_path, [callback], max_epochs=3)
+        trainer.fit(module, _loaders())
+        runs[sync_free] = (module.parts, calls, float(trainer.callback_metrics["lpa3/skipped_fraction_epoch"]))
+    (default, default_calls, default_skipped), (free, free_calls, free_skipped) = runs[False], runs[True]
+    assert free_calls == default_calls
+    # epochs 1 and 2 select every row (ratio 1): a step that solved fewer than its 16 rows skipped some
+    assert any(n < 16 for n in default_calls)
+    assert free_skipped == pytest.approx(default_skipped) and default_skipped > 0
+    for d, f in zip(default, free):
+        assert f["loss_lpa3"] == pytest.approx(d["loss_lpa3"], rel=1e-5, abs=1e-7)
+        assert f["num_augmented"] == d["num_augmented"]
 
 
 def test_a_train_mask_of_the_wrong_kind_is_refused_by_name(tmp_path):

@@ -255,7 +255,11 @@ def test_without_the_callback_it_is_plain_pes_and_the_split_is_in_the_checkpoint
     data = DataLoader(NoisyTwoViews(), batch_size=16, shuffle=True)
     val = DataLoader(indexed_images(12), batch_size=12)
     trainer.fit(module, data, val)
-    assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
+    x, y, _ = next(iter(val))  # the logged accuracy against the final weights' own
+    module.eval()
+    with torch.no_grad():
+        accuracy = float((module(x).argmax(1) == y).float().mean())
+    assert float(trainer.callback_metrics["val/acc"]) == pytest.approx(accuracy)
     assert float(trainer.callback_metrics["train/loss_lpa3"]) == 0.0
     path = tmp_path / "pes.ckpt"
     trainer.save_checkpoint(path)
@@ -345,3 +349,31 @@ def test_the_unmixed_lpa3_term_is_the_mse_of_the_x_prime_against_their_guess():
     _, parts = module.pes_loss(batch, batch_idx=0, batches_per_epoch=1)
     assert torch.allclose(parts["loss_lpa3"], expected, atol=1e-6)
     assert float(parts["num_augmented"]) == 3
+
+
+def test_the_callback_solves_only_in_the_epochs_the_module_trains_x_prime(monkeypatch, tmp_path):
+    """PES trains x' in its semi phase only (lpa3_consumes_augmented): a callback without its own
+    warm-up used to solve in the early and refine phases too, for nothing."""
+    import lpa3_lightning.attack as attack_module
+
+    solved: dict[int, int] = {}
+    solve = attack_module.lpa3_attack
+
+    class Counting(LPA3Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._epoch = trainer.current_epoch
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    callback = Counting(ratio=1.0, steps=1, seed=0, warmup_epochs=0)
+
+    def counted(model, x, y, **kwargs):
+        solved[callback._epoch] = solved.get(callback._epoch, 0) + int(x.shape[0])
+        return solve(model, x, y, **kwargs)
+
+    monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", counted)
+    pl.seed_everything(0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
+                           lambda_u=5.0, rampup_epochs=1.0)
+    _fit(module, 4, callback, tmp_path)
+    assert [module.lpa3_consumes_augmented(e) for e in range(4)] == [False, False, True, True]
+    assert set(solved) == {2, 3} and all(n > 0 for n in solved.values())  # the semi phase only

@@ -1,0 +1,63 @@
+"""A misspelled or unprefixed mixin setting fails instead of leaving the defaults to run."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+from torch import nn
+
+from lpa3_lightning import LPA3Callback
+from lpa3_lightning.mixins import FixMatchLPA3Mixin, PESLPA3Mixin
+from lpa3_lightning.mixins.base import check_mixin_settings, mixin_settings
+from tests.mixins.test_fixmatch import UserFixMatch, _loaders, _trainer
+
+
+class UserPES(PESLPA3Mixin, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+        self.lpa3_num_classes = 3
+
+
+def test_the_settings_are_the_mixins_annotated_attributes():
+    settings = mixin_settings(UserPES)
+    assert settings["pes_early_epochs"] == "PESLPA3Mixin" and settings["lpa3_num_classes"] == "LPA3ModuleMixin"
+    assert "pes_guess" not in settings and "_pes_labeled" not in settings  # methods and private state
+
+
+@pytest.mark.parametrize("name, meant", [("early_epochs", "pes_early_epochs"), ("pes_early_epoch", "pes_early_epochs"),
+                                         ("pes_lamda_u", "pes_lambda_u"), ("lambda_u", "pes_lambda_u")])
+def test_a_typo_is_refused_naming_the_setting(name, meant):
+    module = UserPES()
+    setattr(module, name, 5)
+    with pytest.raises(ValueError, match=f"UserPES.{name} is not a setting.*`{meant}`"):
+        check_mixin_settings(module)
+
+
+def test_a_typo_in_the_class_body_is_refused_too():
+    class Typo(UserPES):
+        refine_epochs = 2
+
+    with pytest.raises(ValueError, match="Typo.refine_epochs.*`pes_refine_epochs`"):
+        check_mixin_settings(Typo())
+
+
+def test_the_real_setting_and_unrelated_attributes_pass():
+    module = UserPES()
+    module.pes_early_epochs = 3
+    module.my_counter = 0
+    module.lambda_u = 2.0  # an attribute of the user's own, with the real setting set explicitly
+    module.pes_lambda_u = 25.0
+    check_mixin_settings(module)
+
+
+def test_the_fit_stops_at_setup_with_the_callback_and_at_the_first_loss_without(tmp_path):
+    module = UserFixMatch(num_unlabeled=64)
+    module.fixmatch_lamda_u = 2.0  # meant: fixmatch_lambda_u
+    with pytest.raises(ValueError, match="`fixmatch_lambda_u`"):
+        _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, input_range=None)], max_epochs=1).fit(module, _loaders())
+    module = UserFixMatch(num_unlabeled=64)
+    module.fixmatch_treshold = 0.9  # meant: fixmatch_threshold; plain FixMatch, no callback
+    with pytest.raises(ValueError, match="`fixmatch_threshold`"):
+        _trainer(tmp_path, [], max_epochs=1).fit(module, _loaders())
+    assert FixMatchLPA3Mixin.fixmatch_threshold == 0.95
