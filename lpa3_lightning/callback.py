@@ -353,6 +353,7 @@ class LPA3Callback(Callback):
         self._restored = False  # load_state_dict ran since the last fit started (a resume)
         self._pending: tuple[Tensor, Tensor] | None = None  # (clean log p(y|x), y) of this batch's x'
         self._rows_recorded, self._coverage_checked = 0, False  # the memory-coverage check (once a fit)
+        self._augment_start: int | None = None  # the first epoch that augmented (the cache's windows start there)
         self._warned_unmeasured = False
         self._eval_preserved: Tensor | None = None
         self._layer_names: list[str] | None = None  # resolved once, by a probe forward for the default
@@ -585,6 +586,8 @@ class LPA3Callback(Callback):
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
             fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
         self.tcs = fresh
+        if not self._restored:
+            self._augment_start = None
         if self._last_update_epoch.numel() != num_samples or not self._restored:
             # A new fit counts epochs from 0 again: the record of the last one must not make it
             # skip the updates of its first epochs. Only a resume continues the record.
@@ -633,6 +636,8 @@ class LPA3Callback(Callback):
                     error = exc
                 self._raise_together(error)
             return
+        if self._augment_start is None:  # the first epoch that augments: the cache's windows start here
+            self._augment_start = trainer.current_epoch
         augmented, tcs_selected, new_rows = None, 0, None
         try:  # the local work: a failure on one rank must reach the others before the cache's gather
             select = self._select_sync_free if self._sync_free else self._select
@@ -888,9 +893,11 @@ class LPA3Callback(Callback):
         return self.attack_bn
 
     def _regeneration_epoch(self, epoch: int) -> bool:
-        # every K epochs after the warm-up; also when nothing from earlier epochs is left to
+        # every K epochs from the first epoch that augments (the callback's warm-up, or the
+        # module's, lpa3_consumes_augmented); also when nothing from earlier epochs is left to
         # reuse (a file cache restarts empty on resume; K or warmup_epochs changed)
-        if (epoch - self.warmup_epochs) % self.regenerate_every_n_epochs == 0:
+        start = self.warmup_epochs if self._augment_start is None else self._augment_start
+        if (epoch - start) % self.regenerate_every_n_epochs == 0:
             return True
         return self.cache is not None and not self.cache.reusable_from_before(epoch)
 
@@ -1111,7 +1118,9 @@ class LPA3Callback(Callback):
     def _log_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dataset = getattr(trainer.train_dataloader, "dataset", None)
         logger = trainer.logger
-        can_log = hasattr(logger, "log_image") or hasattr(getattr(logger, "experiment", None), "add_image")
+        # decided by the logger's class, the same on every rank (a non-zero rank's `experiment` is
+        # Lightning's dummy, which answers every attribute: the ranks would disagree on the forward)
+        can_log = hasattr(type(logger), "log_image") or isinstance(logger, pl.loggers.TensorBoardLogger)
         if dataset is None or not can_log:
             if not self._warned_grid:
                 rank_zero_warn("LPA3Callback cannot log image grids here (no train dataset, or a logger without "
@@ -1151,7 +1160,8 @@ class LPA3Callback(Callback):
         cache_state = self.cache.state_dict(include_inputs=self.checkpoint_cache) if self.cache is not None else None
         return {"version": _STATE_VERSION, "tcs": tcs_state,
                 "augmentation_cache": cache_state, "global_rng": _global_rng_state(),
-                "last_update_epoch": self._last_update_epoch.cpu().clone(), "settings": self.solver_settings()}
+                "last_update_epoch": self._last_update_epoch.cpu().clone(), "settings": self.solver_settings(),
+                "augment_start": self._augment_start}
 
     def solver_settings(self) -> dict[str, Any]:
         """The settings the solver ran with, as plain values (saved in checkpoints, so that
@@ -1189,6 +1199,7 @@ class LPA3Callback(Callback):
             self.tcs.load_state_dict(tcs_state)
         # (a "generator_state" of a version-3 checkpoint is not needed: the noise seed is derived per batch)
         self._last_update_epoch = state_dict.get("last_update_epoch", torch.zeros(0, dtype=torch.long)).clone()
+        self._augment_start = state_dict.get("augment_start")
         # Applied in on_train_start, after the model was built (which draws random numbers).
         self._rng_to_restore = state_dict.get("global_rng")
         cache_state = state_dict.get("augmentation_cache")  # absent in checkpoints of older versions

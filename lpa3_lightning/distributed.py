@@ -17,13 +17,17 @@ with the world size (an all-gather).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
     "all_equal", "any_rank_failed", "bytes_per_sample", "communication_device", "deduplicate_first",
-    "gather_predictions", "gather_rows", "is_distributed", "needs_every_rank",
+    "batchnorm_buffers_kept", "gather_predictions", "gather_rows", "is_distributed", "needs_every_rank",
 ]
 
 
@@ -38,6 +42,25 @@ def needs_every_rank(model: nn.Module) -> bool:
     every rank must make that forward, also with no rows of its own (an empty batch is fine:
     SyncBatchNorm counts it as zero samples), or the others wait for it for ever."""
     return is_distributed() and any(isinstance(m, nn.SyncBatchNorm) and m.training for m in model.modules())
+
+
+@contextlib.contextmanager
+def batchnorm_buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Every BatchNorm's running buffers as they were before the block: for the empty forward a
+    rank makes only to join SyncBatchNorm's collective (when every rank's batch is empty the
+    gathered statistics are of no sample, and the running statistics must not move with them)."""
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    saved = [(m.running_mean.clone(), m.running_var.clone(),
+              None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (mean, var, tracked) in zip(norms, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                if tracked is not None:
+                    m.num_batches_tracked.copy_(tracked)
 
 
 def communication_device() -> torch.device:

@@ -14,8 +14,8 @@ __all__ = ["FixMatchEMA"]
 class FixMatchEMA(EMAWeightAveraging):
     """An exponential moving average of the parameters whose buffers (BatchNorm's running
     statistics) are the live model's, copied at every update, as FixMatch's reference keeps its
-    EMA model (kekmodel/FixMatch-pytorch ``models/ema.py``: parameters averaged, buffers copied;
-    the LP-A3 authors' copy is the same).
+    EMA model (kekmodel/FixMatch-pytorch ``models/ema.py``: parameters averaged from the initial
+    weights on, buffers copied; the LP-A3 authors' copy is the same).
 
     Lightning's ``EMAWeightAveraging`` averages the buffers too by default (``use_buffers=True``);
     with ``use_buffers=False`` it leaves them as they were when the average was created. Pass
@@ -42,6 +42,14 @@ class FixMatchEMA(EMAWeightAveraging):
                              "or False (average), not use_buffers.")
         super().__init__(decay=decay, use_buffers=not copy_buffers, **kwargs)
         self.copy_buffers = copy_buffers
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and self._average_model is not None:
+            # the reference's average starts at the initial weights and decays from the first step;
+            # AveragedModel would copy the weights of the first step instead (a resume restores the
+            # checkpoint's count over this)
+            self._average_model.n_averaged.fill_(1)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

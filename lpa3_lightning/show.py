@@ -133,9 +133,11 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         module = cls.load_from_checkpoint(args.ckpt, map_location="cpu")
     except (KeyError, RuntimeError, TypeError) as exc:
-        parser.error(f"--ckpt {args.ckpt} is not a checkpoint of a ready module ({type(exc).__name__}: {exc}). Fix: "
-                     "pass a checkpoint of `lpa3 fit` (LPA3Classifier, FixMatchClassifier, PESClassifier or "
-                     "DivideMixClassifier), or call lpa3_lightning.visualize.save_comparison_grid from your own code.")
+        parser.error(f"--ckpt {args.ckpt} does not load into {cls.__name__} ({type(exc).__name__}: {exc}). It may be a "
+                     "checkpoint of another module, or an older one whose network has changed since (PreAct "
+                     "ResNet-18 and WRN, docs/method.md section 8). Fix: pass a checkpoint of `lpa3 fit` with a ready "
+                     "module (LPA3Classifier, FixMatchClassifier, PESClassifier or DivideMixClassifier) of this "
+                     "release, or call lpa3_lightning.visualize.save_comparison_grid from your own code.")
     module.eval()
     model: nn.Module = getattr(module, args.network or "net1") if cls.__name__ == "DivideMixClassifier" else module.model
     bn_mode = settings["attack_bn"]

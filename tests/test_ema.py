@@ -30,7 +30,10 @@ def test_buffers_are_copied_and_parameters_averaged():
     ema.on_train_end = lambda trainer, pl_module: None
     live: list[list[torch.Tensor]] = []
 
-    class Record(pl.Callback):  # the live parameters after each optimizer step
+    class Record(pl.Callback):  # the initial parameters, and the live ones after each optimizer step
+        def on_fit_start(self, trainer, pl_module):
+            live.append([p.detach().clone() for p in pl_module.parameters()])
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             live.append([p.detach().clone() for p in pl_module.parameters()])
 
@@ -42,8 +45,9 @@ def test_buffers_are_copied_and_parameters_averaged():
     buffers, params = _buffers_and_parameters(ema, module)
     running = [(a, b) for a, b in buffers if a.is_floating_point()]
     assert running and all(torch.equal(a, b) for a, b in running)  # the live BN statistics
-    # the average by hand: the first update copies, each later one is 0.9 * average + 0.1 * live
-    assert len(live) == 3
+    # the average by hand, as the reference's ModelEMA: from the initial weights, each update is
+    # 0.9 * average + 0.1 * live
+    assert len(live) == 1 + 3
     for k, (average, _) in enumerate(params):
         expected = live[0][k]
         for step in live[1:]:

@@ -9,7 +9,7 @@ authors' FixMatch code and its run commands (CausalLearning/LPA3, ``FixMatch/fix
 added: 2^18 steps for both (the paper's appendix says the same; FixMatch's own code runs 2^20),
 batch 64 (4 GPUs x 16), mu 7, SGD Nesterov 0.03, cosine 7pi/16, weight decay 5e-4 (1e-3 on
 CIFAR-100), EMA 0.999 with the BatchNorm buffers copied (FixMatchEMA), threshold 0.95, FixMatch's
-RandAugment with a 16 px Cutout, WRN-28-2 / WRN-28-8 / WRN-37-2; LP-A3 sigma 0.002 for CIFAR-10
+RandAugment with its Cutout of size 16, WRN-28-2 / WRN-28-8 / WRN-37-2; LP-A3 sigma 0.002 for CIFAR-10
 and STL-10, 0.02 for CIFAR-100, ratio 0.9, lam 1, 5 steps, the LP-A3 term with pseudo-label
 confidence >= 0.9 once the warm-up is over. ``tests/test_paper_rows.py`` checks every value
 against the reference, file and line. Plus CPU rows on MNIST-5k (shipped) and PneumoniaMNIST.
@@ -109,7 +109,7 @@ data:
     split_file: runs/ssl/{name}/labeled_split.json
     batch_size: {batch}
     mu: 7
-    strong_augment: fixmatch  # FixMatch's RandAugment (2 ops, p 0.5, magnitude 1-9) + 16 px Cutout; or torchvision
+    strong_augment: fixmatch  # FixMatch's RandAugment (2 ops, p 0.5, magnitude 1-9) + Cutout(16); or torchvision
     download: {str(download).lower()}
 """
 

@@ -6,7 +6,7 @@ reference implementation the LP-A3 authors built on runs it (kekmodel/FixMatch-p
 ``dataset/randaugment.py``, ``RandAugmentMC(n=2, m=10)`` and ``fixmatch_augment_pool``; the LP-A3
 authors' copy is the same file): two operations drawn with replacement from 14, each applied
 with probability 0.5 at a magnitude drawn from 1 to 9 (of 10), then a gray Cutout square of a
-fixed 16 px. ``strong_augment="torchvision"`` keeps the earlier view: torchvision's
+fixed size 16 (``CutoutAbs(img, 16)``, 17 x 17 pixels as it paints them). ``strong_augment="torchvision"`` keeps the earlier view: torchvision's
 ``RandAugment(2, 10)`` (always applied, one fixed magnitude) and a Cutout of random size.
 Written with torchvision's operations from that description, not from the reference's code.
 """
@@ -41,8 +41,10 @@ PADDING_MODES = {"reflect": "reflect", "zeros": "constant"}
 # Transforms
 # ----------------------------------------------------------------------------------------
 class Cutout:
-    """FixMatch's Cutout: one gray square on a PIL image, of a fixed ``size`` in pixels (the
-    reference implementation's: 16) or of a random side up to ``max_fraction`` of the image.
+    """FixMatch's Cutout: one gray square on a PIL image, of a fixed ``size`` (the reference
+    implementation's ``CutoutAbs(img, 16)``: with both corners painted, 17 x 17 pixels where it
+    fits, clipped at the right and bottom edges, shifted inward at the left and top) or of a
+    random side up to ``max_fraction`` of the image.
 
     Without ``size`` the side is ``ceil(u * max_fraction * min(width, height))`` with
     ``u ~ U[0, 1)`` (the FixMatch paper's description); the centre is uniform over the image and
@@ -77,14 +79,23 @@ class Cutout:
         if not isinstance(img, Image.Image):
             raise TypeError(f"Cutout works on PIL images (before ToTensor), got {type(img).__name__}.")
         width, height = img.size
-        side = self.size if self.size is not None else \
-            math.ceil(float(torch.rand(())) * self.max_fraction * min(width, height))
+        pixels = np.array(img)
+        if self.size is not None:
+            # the reference's square: a centre drawn over the image, the corner (x0, y0) clamped at
+            # 0 and the far corner at the side, both corners painted (PIL's rectangle includes them:
+            # 17 x 17 pixels where the square fits, shifted inward at the left and top edges)
+            side = self.size
+            cx, cy = float(torch.rand(())) * width, float(torch.rand(())) * height
+            x0, y0 = int(max(0.0, cx - side / 2)), int(max(0.0, cy - side / 2))
+            x1, y1 = int(min(width, x0 + side)), int(min(height, y0 + side))
+            pixels[y0:y1 + 1, x0:x1 + 1] = self.fill
+            return Image.fromarray(pixels)
+        side = math.ceil(float(torch.rand(())) * self.max_fraction * min(width, height))
         if side <= 0:
             return img
         cx, cy = int(torch.randint(width, ())), int(torch.randint(height, ()))
         x0, y0 = max(cx - side // 2, 0), max(cy - side // 2, 0)
         x1, y1 = min(cx - side // 2 + side, width), min(cy - side // 2 + side, height)
-        pixels = np.array(img)
         pixels[y0:y1, x0:x1] = self.fill
         return Image.fromarray(pixels)
 

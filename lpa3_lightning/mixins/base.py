@@ -12,6 +12,7 @@ the solver verified that every ``x'`` keeps its label (the callback measures it 
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,14 +55,30 @@ def _user_attributes(module: Any) -> dict[str, Any]:
     return found
 
 
+#: the prefixes of the mixins' settings; a name with one of them is meant as a setting
+_SETTING_PREFIXES = ("lpa3_", "fixmatch_", "pes_", "dividemix_")
+
+
+def _is_set(module: Any, name: str, attributes: dict[str, Any]) -> bool:
+    """Whether ``name`` is given by the module itself: an instance attribute, or a class attribute
+    or property of a class outside the framework packages."""
+    if name in attributes:
+        return True
+    return any(name in vars(klass) for klass in type(module).__mro__
+               if klass.__module__.split(".")[0] not in _FRAMEWORK_PACKAGES)
+
+
 def check_mixin_settings(module: Any) -> None:
-    """Refuse an attribute that looks like a misspelled or unprefixed mixin setting.
+    """Refuse a misspelled mixin setting; warn once about a setting's name without its prefix.
 
     A setting is an attribute the mixin reads (``pes_early_epochs``); an attribute of another
-    name is never read, so a typo (``self.pes_early_epoch``) or the name without its prefix
-    (``self.early_epochs``) would leave the default running without a word. An attribute is
-    refused when it is a setting's name without its prefix, or within a small edit of a
-    setting's name, and that setting is not also set on the module.
+    name is never read, so a typo would leave the default running without a word:
+
+    * a name with a mixin's prefix (``lpa3_``, ``fixmatch_``, ``pes_``, ``dividemix_``) that is
+      not a setting but within a small edit of one (``self.pes_early_epoch``) is refused;
+    * a setting's exact name without its prefix (``self.early_epochs`` for ``pes_early_epochs``)
+      gets one warning naming the setting, unless the module also sets that setting (then it is
+      taken for an attribute of the module's own).
 
     Raises:
         ValueError: naming the attribute, the setting it resembles and the fix.
@@ -73,16 +90,22 @@ def check_mixin_settings(module: Any) -> None:
     for name in attributes:
         if name.startswith("_") or name in settings:
             continue
-        unprefixed = [s for s in settings if s.split("_", 1)[-1] == name or s.endswith("_" + name)]
-        suspects = unprefixed or difflib.get_close_matches(name, list(settings), n=1, cutoff=0.85)
-        suspects = [s for s in suspects if s not in attributes]  # the real one is set too: another attribute
-        if suspects:
-            names = " or ".join(f"`{s}` ({settings[s]})" for s in suspects)
-            raise ValueError(
-                f"{type(module).__name__}.{name} is not a setting of the LP-A3 mixins, so it would be ignored and the "
-                f"default would run; did you mean {names}? Fix: set `self.{suspects[0]} = ...` instead (if "
-                f"`{name}` is an attribute of your own, also set `{suspects[0]}` explicitly, or rename `{name}`)."
-            )
+        if name.startswith(_SETTING_PREFIXES):
+            close = difflib.get_close_matches(name, list(settings), n=1, cutoff=0.85)
+            if close:
+                raise ValueError(
+                    f"{type(module).__name__}.{name} is not a setting of the LP-A3 mixins, so it would be ignored and "
+                    f"the default would run; did you mean `{close[0]}` ({settings[close[0]]})? Fix: set "
+                    f"`self.{close[0]} = ...` instead."
+                )
+            continue
+        unprefixed = [s for s in settings if s.split("_", 1)[-1] == name and not _is_set(module, s, attributes)]
+        if unprefixed:
+            names = " or ".join(f"`{s}` ({settings[s]})" for s in unprefixed)
+            warnings.warn(
+                f"{type(module).__name__}.{name} is not read by the LP-A3 mixins; if it was meant as {names}, the "
+                f"default runs instead. Fix: set `self.{unprefixed[0]} = ...` (if `{name}` is an attribute of your "
+                f"own, setting `{unprefixed[0]}` explicitly silences this).", UserWarning, stacklevel=3)
 
 
 def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -105,6 +128,7 @@ def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         "dataset in `lpa3_lightning.data.IndexedDataset` so batches are (x, y, index), or return a dict with "
         "keys 'input', 'target', 'index'."
     )
+
 
 class BatchNormStatisticsFrozen:
     """Leave every BatchNorm's running statistics (and batch count) as they are during a forward

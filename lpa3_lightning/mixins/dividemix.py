@@ -61,7 +61,7 @@ from lpa3_lightning.checks import (
     check_dataset_indices,
     check_split_loader_covered,
 )
-from lpa3_lightning.distributed import needs_every_rank
+from lpa3_lightning.distributed import batchnorm_buffers_kept, needs_every_rank
 from lpa3_lightning.dividemix import (
     clean_probability,
     clean_probability_per_class,
@@ -331,7 +331,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         if u1.shape[0] == 0 and not needs_every_rank(own):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
-            with self._dm_guess_bn(own):
+            kept = batchnorm_buffers_kept(own) if u1.shape[0] == 0 else contextlib.nullcontext()
+            with self._dm_guess_bn(own), kept:
                 logits_own = self.lpa3_logits(own(torch.cat([u1, u2]))).float()
             was_training = other.training
             other.eval()
@@ -414,7 +415,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         n_lab = int(labeled.sum())
         refined = x1.new_zeros(0, num_classes).float()
         if n_lab or needs_every_rank(model):  # (an empty forward where SyncBatchNorm syncs: every rank makes it)
-            with torch.no_grad(), self._dm_guess_bn(model):
+            kept = batchnorm_buffers_kept(model) if not n_lab else contextlib.nullcontext()
+            with torch.no_grad(), self._dm_guess_bn(model), kept:
                 probs = torch.softmax(self.lpa3_logits(model(torch.cat([x1[labeled], x2[labeled]]))).float(), 1)
             if n_lab:
                 refined = co_refine(y[labeled], torch.stack([probs[:n_lab], probs[n_lab:]]), w[labeled],

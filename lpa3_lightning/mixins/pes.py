@@ -47,6 +47,8 @@ less at 80% noise).
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -57,7 +59,7 @@ from torch import Tensor, nn
 
 from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
-from lpa3_lightning.distributed import needs_every_rank
+from lpa3_lightning.distributed import batchnorm_buffers_kept, needs_every_rank
 from lpa3_lightning.mixins.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
 from lpa3_lightning.mixins.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.mixmatch import (
@@ -279,7 +281,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         if u1.shape[0] == 0 and not needs_every_rank(model):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
-            with BatchNormStatisticsFrozen(model):
+            kept = batchnorm_buffers_kept(model) if u1.shape[0] == 0 else contextlib.nullcontext()
+            with BatchNormStatisticsFrozen(model), kept:
                 logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
             probs = torch.softmax(logits, 1)
             guess = sharpen((probs[: u1.shape[0]] + probs[u1.shape[0]:]) / 2, self.pes_temperature)

@@ -81,11 +81,21 @@ def test_the_draw_two_operations_each_half_the_time_at_magnitudes_one_to_nine(mo
     assert abs(len(calls) / images - 1.0) < 0.05
 
 
-def test_the_fixmatch_view_ends_with_a_16_pixel_cutout_and_the_torchvision_view_stays_available(monkeypatch):
-    black = Image.new("L", (64, 64))
-    torch.manual_seed(0)
-    gray = [int((np.asarray(Cutout(size=16)(black)) == 127).sum()) for _ in range(200)]
-    assert max(gray) == 16 * 16 and min(gray) >= 8 * 8  # clipped at the borders, never larger
+def test_the_fixmatch_view_ends_with_the_references_cutout_and_the_torchvision_view_stays_available():
+    """CutoutAbs(img, 16) (lines 47-60): a centre drawn uniformly over the image, x0 = int(max(0,
+    x - 8)), x1 = int(min(w, x0 + 16)), painted by PIL's rectangle, which includes both corners."""
+    import PIL.ImageDraw
+
+    black = Image.new("L", (32, 32))
+    for seed in range(200):
+        torch.manual_seed(seed)  # the same two draws for the expected square
+        x, y = float(torch.rand(())) * 32, float(torch.rand(())) * 32
+        x0, y0 = int(max(0, x - 8)), int(max(0, y - 8))
+        expected = black.copy()
+        PIL.ImageDraw.Draw(expected).rectangle((x0, y0, int(min(32, x0 + 16)), int(min(32, y0 + 16))), 127)
+        torch.manual_seed(seed)
+        assert _same(Cutout(size=16)(black), expected), seed
+    assert int((np.asarray(expected) == 127).sum()) <= 17 * 17
     view = strong_transform([0.5], [0.5], 32, flip=False)
     names = [type(t).__name__ for t in view.transforms]
     assert names[1:3] == ["FixMatchRandAugment", "Cutout"] and view.transforms[2].size == 16
