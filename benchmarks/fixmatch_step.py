@@ -15,7 +15,7 @@ Configurations:
                         for every selected sample each step (the authors' cost)
   fixmatch_lpa3         the default: x' solved only where the LP-A3 term will weigh it (pseudo-label
                         confidence >= 0.9); the same loss
-  fixmatch_lpa3_cached  + regenerate_every_n_epochs=10 (a cached x' is reused while its pseudo-label holds)
+  fixmatch_lpa3_cached  + cache.regenerate_every_n_epochs=10 (a cached x' is reused while its pseudo-label holds)
 Epoch 0 is the callback's warm-up (TCS fills, no attack) in every LP-A3 run, so epochs 1.. are
 measured; the LP-A3 term counts from epoch 1. Prints the median step time of the measured
 epochs and its ratio to FixMatch's, the amortized epoch with K=10 ((regeneration epoch + 9 x the
@@ -92,8 +92,8 @@ def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k"
     lpa3 = config != "fixmatch"
     if lpa3:
         callbacks.append(LPA3Callback(ratio=RATIO, sigma=0.02, steps=5, warmup_epochs=1, seed=0,
-                                      input_range="auto" if setting == "mnist5k" else None,  # random tensors: no box
-                                      regenerate_every_n_epochs=10 if config.endswith("cached") else 1))
+                                      input_range="auto" if setting == "mnist5k" else None,
+                                      cache={"regenerate_every_n_epochs": 10 if config.endswith("cached") else 1}))
     module = FixMatchClassifier(arch=arch, in_channels=shape[0], num_classes=10, twin_bn=lpa3,
                                 lpa3_loss_warmup_epochs=1, lpa3_solve_trained_only=config != "fixmatch_lpa3_all")
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,

@@ -9,7 +9,7 @@ CPU, where they cost nothing but happen at the same places, by patching those me
 duration of one training step (the callback's ``on_train_batch_start``, ``training_step`` and
 the callback's ``on_train_batch_end``) after a warm-up epoch, and counts the operators the step
 dispatches (torch profiler events). It prints them for the plain step (no callback), the
-LP-A3 step on the default path and on the sync-free path (``LPA3Callback(sync_free=True)``,
+LP-A3 step on the default path and on the sync-free path (``LPA3Callback(runtime={"sync_free": True})``,
 the path ``sync_free="auto"`` takes on a GPU), and each LP-A3 step's reads by call site in the
 package (the counter is :class:`lpa3_lightning.host_reads.HostReadCounter`).
 """
@@ -65,7 +65,7 @@ def measure(sync_free: bool | None, args: argparse.Namespace) -> dict:
     one = OneStep()
     callbacks: list = [one]
     if sync_free is not None:
-        callbacks.append(LPA3Callback(ratio=args.ratio, steps=args.steps, seed=0, sync_free=sync_free))
+        callbacks.append(LPA3Callback(ratio=args.ratio, steps=args.steps, seed=0, runtime={"sync_free": sync_free}))
     callbacks.append(Closer())
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

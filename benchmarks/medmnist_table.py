@@ -11,7 +11,7 @@ The MedMNIST recipe (MedMNIST v2 benchmark): ResNet-18 with the 28 px stem, Adam
 validation AUC; ``--epochs`` is the budget (the paper uses 100). RandAugment N=3, M=5; LP-A3
 sigma 0.02 with tau (``ratio``) 0.5 (``lpa3``) or the paper's other values 0.2 / 0.9
 (``lpa3_tau0.2``, ``lpa3_tau0.9``); the paper tunes tau per data set, which the table does on
-the validation AUC when several are run. Not the paper's: ``lpa3_maxstep1`` (``max_step=1.0``)
+the validation AUC when several are run. Not the paper's: ``lpa3_maxstep1`` (``solver.max_step=1.0``)
 and ``lpa3_maxstep1_k10lazy`` (the same with x' cached for 10 epochs, solver in regeneration
 epochs only). After every epoch the validation and test sets are
 evaluated with the wall-clock time, for the time-to-accuracy plot. Writes one JSON per run
@@ -41,13 +41,13 @@ METHODS: dict[str, tuple[bool, dict | None]] = {
     "lpa3_tau0.2": (False, {"ratio": 0.2}),
     "lpa3_tau0.9": (False, {"ratio": 0.9}),
     # not the paper's: each solver step at most 1.0 long in L2 (see lpa3_attack's max_step)
-    "lpa3_maxstep1": (False, {"ratio": 0.5, "max_step": 1.0}),
+    "lpa3_maxstep1": (False, {"ratio": 0.5, "solver": {"max_step": 1.0}}),
     # the same with x' cached for 10 epochs and the solver in regeneration epochs only
-    "lpa3_maxstep1_k10lazy": (False, {"ratio": 0.5, "max_step": 1.0, "regenerate_every_n_epochs": 10,
-                                      "attack_new_selections": False}),
+    "lpa3_maxstep1_k10lazy": (False, {"ratio": 0.5, "solver": {"max_step": 1.0},
+                                      "cache": {"regenerate_every_n_epochs": 10, "attack_new_selections": False}}),
     # the package defaults after issue 8 (max_step "auto", x' trained as verified, random first pass)
     # with x' cached for 10 epochs and the solver in regeneration epochs only
-    "lpa3_k10lazy": (False, {"ratio": 0.5, "regenerate_every_n_epochs": 10, "attack_new_selections": False}),
+    "lpa3_k10lazy": (False, {"ratio": 0.5, "cache": {"regenerate_every_n_epochs": 10, "attack_new_selections": False}}),
 }
 
 

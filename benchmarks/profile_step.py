@@ -26,9 +26,9 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--fast", action="store_true")
     parser.add_argument("--sync-free", default="auto", choices=("auto", "true", "false"),
-                        help="LPA3Callback(sync_free=...): auto is the sync-free path on a GPU")
+                        help="LPA3Callback(runtime={'sync_free': ...}): auto is the sync-free path on a GPU")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="LPA3Callback(cuda_graphs=True): the solver replayed as a CUDA graph (needs the sync-free path)")
+                        help="LPA3Callback(runtime={'cuda_graphs': True}): the solver replayed as a CUDA graph (needs the sync-free path)")
     parser.add_argument("--steps", type=int, default=4, help="at most 5 (one epoch of BreastMNIST)")
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
@@ -84,9 +84,9 @@ def main() -> None:
 
     pl.seed_everything(0)
     profiled = Profiled()
-    lpa3 = LPA3Callback(ratio=0.3, steps=5, warmup_epochs=1, seed=0, fast=args.fast,
-                        sync_free={"auto": "auto", "true": True, "false": False}[args.sync_free],
-                        cuda_graphs=args.cuda_graphs)
+    lpa3 = LPA3Callback(ratio=0.3, steps=5, warmup_epochs=1, seed=0, solver={"fast": args.fast},
+                        runtime={"sync_free": {"auto": "auto", "true": True, "false": False}[args.sync_free],
+                                 "cuda_graphs": args.cuda_graphs})
     trainer = pl.Trainer(max_epochs=profile_epoch + 1, accelerator=args.accelerator, devices=1, logger=False,
                          callbacks=[lpa3, profiled],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -176,7 +176,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     callbacks: list[Callback] = [curve, ema]
     if method == "fixmatch_lpa3":
         callbacks.insert(1, LPA3Callback(ratio=0.9, sigma=0.02, steps=5, seed=seed,
-                                         regenerate_every_n_epochs=regenerate))
+                                         cache={"regenerate_every_n_epochs": regenerate}))
     trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", devices=1, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)

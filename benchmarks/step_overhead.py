@@ -6,14 +6,14 @@ ResNet-18 (MedMNIST stem) on the embedded BreastMNIST train split (546 images, 2
 batch 128, Adam, one process per configuration (so peak memory is per configuration):
   baseline        LPA3Classifier without the callback (no twin BN)
   lpa3            + LPA3Callback(ratio=--ratio (0.5, the MedMNIST table's), steps=5), default solver
-                  (sync_free="auto": the sync-free per-batch path on a GPU, the default path on the CPU)
-  lpa3_eager      the same with sync_free=False (the default path everywhere; on a GPU, the "before")
-  lpa3_graphs     the sync-free path with cuda_graphs=True (the solver replayed as a CUDA graph;
+                  (runtime.sync_free="auto": the sync-free per-batch path on a GPU, the default path on the CPU)
+  lpa3_eager      the same with runtime.sync_free=False (the default path everywhere; on a GPU, the "before")
+  lpa3_graphs     the sync-free path with runtime.cuda_graphs=True (the solver replayed as a CUDA graph;
                   on the CPU the padded rows solved eagerly)
   lpa3_fast       + the same with fast=True
-  lpa3_cached     + the default solver with regenerate_every_n_epochs=10
-  lpa3_cached_lazy  the same with attack_new_selections=False (solver in regeneration epochs only)
-  lpa3_cached_graphs  lpa3_cached with cuda_graphs=True
+  lpa3_cached     + the default solver with cache.regenerate_every_n_epochs=10
+  lpa3_cached_lazy  the same with cache.attack_new_selections=False (solver in regeneration epochs only)
+  lpa3_cached_graphs  lpa3_cached with runtime.cuda_graphs=True
 Epoch 0 is a warm-up for every LP-A3 run (warmup_epochs=1: TCS fills, no attack), so the
 measured epochs select 30% as in steady state. Prints the median step time of the measured
 epochs, the ratio to the baseline, the peak resident memory, the amortized epoch time with
@@ -58,11 +58,12 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
     callbacks: list[Callback] = [timer]
     graphs = config.endswith("_graphs")
     if config != "baseline":
-        callbacks.append(LPA3Callback(ratio=ratio, steps=5, warmup_epochs=1, seed=0, fast=config == "lpa3_fast",
-                                      regenerate_every_n_epochs=10 if config.startswith("lpa3_cached") else 1,
-                                      attack_new_selections=config != "lpa3_cached_lazy",
-                                      sync_free=False if config == "lpa3_eager" else True if graphs else "auto",
-                                      cuda_graphs=graphs))
+        callbacks.append(LPA3Callback(ratio=ratio, steps=5, warmup_epochs=1, seed=0,
+                                      solver={"fast": config == "lpa3_fast"},
+                                      cache={"regenerate_every_n_epochs": 10 if config.startswith("lpa3_cached") else 1,
+                                             "attack_new_selections": config != "lpa3_cached_lazy"},
+                                      runtime={"sync_free": False if config == "lpa3_eager" else True if graphs else "auto",
+                                               "cuda_graphs": graphs}))
     module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=config != "baseline")
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -19,14 +19,19 @@ __version__ = "0.1.0"
 __all__ = [
     "AttackStats",
     "AugmentedBatch",
+    "CacheSettings",
     "DivideMixClassifier",
     "FixMatchClassifier",
     "FixMatchEMA",
     "LPA3Callback",
     "LPA3Classifier",
     "LPA3Request",
+    "LoggingSettings",
     "PESClassifier",
     "PerceptualFeatures",
+    "RuntimeSettings",
+    "SelectionSettings",
+    "SolverSettings",
     "SolverGraphs",
     "TimeConsistency",
     "augmented_logits",
@@ -43,7 +48,14 @@ __all__ = [
 ]
 
 
+_SETTINGS = ("CacheSettings", "LoggingSettings", "RuntimeSettings", "SelectionSettings", "SolverSettings")
+
+
 def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping the core Lightning-free
+    if name in _SETTINGS:
+        from lpa3_lightning.callback import settings
+
+        return getattr(settings, name)
     if name == "LPA3Callback":
         from lpa3_lightning.callback import LPA3Callback
 

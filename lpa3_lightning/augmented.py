@@ -85,6 +85,8 @@ class AugmentedBatch:
         skipped: how many selected rows were not solved because the request's ``train_mask``
             left them out; ``M + skipped`` is the number TCS selected (after its filters), the
             denominator of a loss averaged over the selected rows as the authors average it.
+        from_cache: ``(M,)`` bool, with a cache (``regenerate_every_n_epochs > 1``): which ``x'``
+            were taken from it (the others were solved for this batch); None without a cache.
     """
 
     inputs: Tensor
@@ -99,6 +101,7 @@ class AugmentedBatch:
     reference_inputs: Tensor | None = None
     network: str | None = None
     skipped: int = 0
+    from_cache: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])

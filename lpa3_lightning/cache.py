@@ -68,10 +68,10 @@ class AugmentationCache:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int, got {num_samples!r}.")
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"`regenerate_every_n_epochs` must be an int >= 1, got {every_n_epochs!r}. "
+            raise ValueError(f"`cache.regenerate_every_n_epochs` must be an int >= 1, got {every_n_epochs!r}. "
                              "Fix: use 1 (no reuse) or e.g. 10 (the paper's appendix).")
         if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"`cache_max_bytes` must be an int >= 0, got {max_bytes!r}.")
+            raise ValueError(f"`cache.max_bytes` must be an int >= 0, got {max_bytes!r}.")
         self.num_samples = num_samples
         self.every_n_epochs = every_n_epochs
         self.max_bytes = max_bytes
@@ -95,8 +95,8 @@ class AugmentationCache:
         if self.directory is None:
             raise ValueError(
                 f"Caching x' for {self.num_samples} samples of shape {sample_shape} needs {nbytes / 2**20:.1f} MiB, "
-                f"more than cache_max_bytes={self.max_bytes}. Fix: pass `cache_dir=` for a memory-mapped file, or "
-                "raise `cache_max_bytes`."
+                f"more than cache.max_bytes={self.max_bytes}. Fix: set `cache.dir` for a memory-mapped file, or "
+                "raise `cache.max_bytes`."
             )
         self.directory.mkdir(parents=True, exist_ok=True)
         # one file per run: concurrent runs (or nodes sharing a file system) never write the same one

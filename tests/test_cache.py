@@ -24,7 +24,7 @@ def test_in_memory_up_to_the_bound_then_refused_without_a_directory():
     small.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)
     assert small.file is None and small.nbytes == 160
     too_big = AugmentationCache(10, 2, max_bytes=100)
-    with pytest.raises(ValueError, match="cache_dir"):
+    with pytest.raises(ValueError, match="cache.dir"):
         too_big.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)
 
 
@@ -83,7 +83,7 @@ def test_an_entry_is_reused_only_for_the_label_it_was_solved_for():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [({"every_n_epochs": 0}, "regenerate_every_n_epochs"),
-                                                ({"every_n_epochs": 2, "max_bytes": -1}, "cache_max_bytes")])
+                                                ({"every_n_epochs": 2, "max_bytes": -1}, "cache.max_bytes")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AugmentationCache(4, **kwargs)
@@ -116,5 +116,5 @@ def test_a_checkpointed_store_is_saved_in_host_memory_and_restored_on_the_caches
 def test_the_callback_refuses_a_non_bool_cache_on_device():
     from lpa3_lightning import LPA3Callback
 
-    with pytest.raises(ValueError, match="cache_on_device"):
-        LPA3Callback(regenerate_every_n_epochs=2, cache_on_device="gpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cache.on_device"):
+        LPA3Callback(cache={"regenerate_every_n_epochs": 2, "on_device": "gpu"})  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lpa3_lightning.callback as lpa3_lightning_callback
+import lpa3_lightning.callback.augment_stage as lpa3_lightning_callback
 from lpa3_lightning import LPA3Callback
 from lpa3_lightning.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import SupervisedLPA3Mixin
@@ -56,8 +56,7 @@ def _loader(n: int = 48, batch_size: int = 16, shuffle: bool = True) -> DataLoad
 class RecordsEvalPreservation(LPA3Callback):
     """Re-measures, for the last epoch's x', the eval-mode constraint with its own forward."""
 
-    def _augment(self, trainer, pl_module, *args, **kwargs):
-        augmented, new_rows = super()._augment(trainer, pl_module, *args, **kwargs)
+    def on_augmented(self, trainer, pl_module, augmented):
         if trainer.current_epoch == trainer.max_epochs - 1 and len(augmented):
             model = pl_module.lpa3_model()
             was = [(m, m.training) for m in model.modules()]
@@ -69,7 +68,6 @@ class RecordsEvalPreservation(LPA3Callback):
             for m, training in was:
                 m.training = training
             self.eval_records.append((adv >= clean - self.sigma).tolist())
-        return augmented, new_rows
 
     eval_records: list = []
 
@@ -116,7 +114,8 @@ def test_selected_fraction_follows_ratio_after_first_pass(tmp_path):
     # round(ratio * N) least consistent samples (the authors' rule selects one fewer)
     assert module.seen_augmented[1] == 16
     module = TinyClassifier()
-    callback = LPA3Callback(ratio=0.25, steps=1, seed=0, threshold_rule="authors", initial_selection="all")
+    callback = LPA3Callback(ratio=0.25, steps=1, seed=0,
+                            selection={"threshold_rule": "authors", "initial_selection": "all"})
     _trainer(tmp_path, [callback], max_epochs=2).fit(module, _loader(64, 64))
     assert module.seen_augmented == [64, 64 - int(0.75 * 64) - 1]
 
@@ -166,10 +165,8 @@ class RecordsStartState(LPA3Callback):
         self.start_written = None if self.cache is None else self.cache.written.clone()
         self.x_prime: dict[int, list[torch.Tensor]] = {}
 
-    def _augment(self, trainer, pl_module, *args, **kwargs):
-        augmented, new_rows = super()._augment(trainer, pl_module, *args, **kwargs)
+    def on_augmented(self, trainer, pl_module, augmented):
         self.x_prime.setdefault(trainer.current_epoch, []).append(augmented.inputs.clone())
-        return augmented, new_rows
 
 
 def test_resume_restores_tcs_and_the_solver_noise_then_keeps_training(tmp_path):
@@ -212,7 +209,7 @@ def test_resume_restores_tcs_and_the_solver_noise_then_keeps_training(tmp_path):
 def test_attack_through_the_twin_in_a_trainer(tmp_path):
     pl.seed_everything(0)
     module = TinyClassifier()
-    callback = LPA3Callback(ratio=0.5, steps=2, attack_bn="twin", seed=0)
+    callback = LPA3Callback(ratio=0.5, steps=2, seed=0, solver={"attack_bn": "twin"})
     trainer = _trainer(tmp_path, [callback], max_epochs=2)
     trainer.fit(module, _loader())
     # every x' keeps its label in the forward that trains it (re-measured independently in
@@ -222,7 +219,7 @@ def test_attack_through_the_twin_in_a_trainer(tmp_path):
 
 
 def test_auto_attack_mode_picks_twin_only_when_present(tmp_path, monkeypatch):
-    import lpa3_lightning.callback as callback_module
+    import lpa3_lightning.callback.augment_stage as callback_module
 
     seen_modes = []
     original = callback_module.lpa3_attack
@@ -279,19 +276,49 @@ def test_resume_on_a_data_set_of_another_size_is_refused(tmp_path):
         ({"ratio": 1.5}, "ratio"),
         ({"sigma": -0.1}, "sigma"),
         ({"steps": 0}, "steps"),
-        ({"lam": -1}, "lam"),
+        ({"solver": {"lam": -1}}, "solver.lam"),
         ({"warmup_epochs": -1}, "warmup_epochs"),
-        ({"attack_bn": "train"}, "attack_bn"),
-        ({"temperature": 0}, "temperature"),
-        ({"num_samples": 0}, "num_samples"),
-        ({"tcs_divergence": "js"}, "tcs_divergence"),
-        ({"tcs_initial_memory": "zeros"}, "tcs_initial_memory"),
+        ({"solver": {"attack_bn": "train"}}, "solver.attack_bn"),
+        ({"solver": {"temperature": 0}}, "solver.temperature"),
+        ({"selection": {"num_samples": 0}}, "selection.num_samples"),
+        ({"selection": {"divergence": "js"}}, "selection.divergence"),
+        ({"selection": {"initial_memory": "zeros"}}, "selection.initial_memory"),
         ({"input_range": 3}, "input_range"),
+        ({"cache": {"regenerate_every_n_epochs": 0}}, "cache.regenerate_every_n_epochs"),
+        ({"logging": {"num_images": 0}}, "logging.num_images"),
+        ({"runtime": {"sync_free": True, "cuda_graphs": 1}}, "runtime.cuda_graphs"),
+        ({"cache": {"regenerate": 2}}, "`cache` has no setting \\['regenerate'\\]"),
+        ({"preset": "paper"}, "preset"),
     ],
 )
 def test_constructor_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LPA3Callback(**kwargs)
+
+
+@pytest.mark.parametrize("name, group, field", [("regenerate_every_n_epochs", "cache", "regenerate_every_n_epochs"),
+                                                ("cache_dir", "cache", "dir"), ("sync_free", "runtime", "sync_free"),
+                                                ("tcs_divergence", "selection", "divergence"),
+                                                ("max_step", "solver", "max_step")])
+def test_a_former_keyword_names_its_new_group(name, group, field):
+    with pytest.raises(TypeError, match=f"`{name}` moved to the `{group}` group.*{group}=.*{field}"):
+        LPA3Callback(**{name: 1})
+
+
+def test_groups_take_dataclasses_or_mappings_over_the_preset():
+    from lpa3_lightning.callback import CacheSettings, SolverSettings
+
+    by_class = LPA3Callback(cache=CacheSettings(regenerate_every_n_epochs=3), solver=SolverSettings(max_step=0.5))
+    by_mapping = LPA3Callback(cache={"regenerate_every_n_epochs": 3}, solver={"max_step": 0.5})
+    assert by_class.cache_settings == by_mapping.cache_settings and by_class.solver == by_mapping.solver
+    authors = LPA3Callback(preset="authors")
+    # the authors' behaviour everywhere a switch restores it (docs/method.md section 7)
+    assert (authors.solver.project, authors.solver.max_step, authors.solver.allow_tf32) == (False, None, True)
+    assert (authors.selection.initial_selection, authors.selection.threshold_rule,
+            authors.selection.initial_memory) == ("all", "authors", "authors")
+    # a mapping changes the preset's group only where it says
+    mixed = LPA3Callback(preset="authors", solver={"max_step": 1.0})
+    assert (mixed.solver.project, mixed.solver.max_step) == (False, 1.0)
 
 
 class NoProtocol(pl.LightningModule):
@@ -327,7 +354,7 @@ def test_unknown_feature_layer_is_refused_at_setup(tmp_path):
 
 
 def test_twin_attack_without_twins_is_refused(tmp_path):
-    trainer = _trainer(tmp_path, [LPA3Callback(attack_bn="twin")], max_epochs=1)
+    trainer = _trainer(tmp_path, [LPA3Callback(solver={"attack_bn": "twin"})], max_epochs=1)
     with pytest.raises(ValueError, match="convert_dual_bn"):
         trainer.fit(TinyClassifier(twin_bn=False), _loader())
 
@@ -354,7 +381,8 @@ def test_module_without_num_classes_is_told_how(tmp_path):
 @pytest.mark.parametrize("warmup_epochs", [0, 1])
 @pytest.mark.parametrize("sync_free", [False, True])
 def test_indices_out_of_range_are_refused(tmp_path, sync_free, warmup_epochs):
-    callback = LPA3Callback(steps=1, num_samples=10, sync_free=sync_free, warmup_epochs=warmup_epochs)
+    callback = LPA3Callback(steps=1, warmup_epochs=warmup_epochs, selection={"num_samples": 10},
+                            runtime={"sync_free": sync_free})
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     with pytest.raises(ValueError, match="LPA3Request.indices` out of range"):
         trainer.fit(TinyClassifier(), _loader())
@@ -377,7 +405,7 @@ def test_input_range_auto_uses_the_datamodule_normalization(tmp_path):
     callback = LPA3Callback(steps=1, seed=0)
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("lpa3_lightning.callback.lpa3_attack", spy)
+        patch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", spy)
         trainer.fit(TinyClassifier(), datamodule=DM())
     # what reached the solver: the box of [0, 1] pixels normalised by mean 0.5, std 0.5
     assert ranges and all(low.flatten().tolist() == [-1.0] and high.flatten().tolist() == [1.0]
@@ -400,9 +428,11 @@ def test_logits_width_must_match_num_classes(tmp_path):
         trainer.fit(module, _loader())
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"project": "no"}, "project"), ({"seed": 1.5}, "seed"),
-                                                ({"layers": 3}, "layers"), ({"max_step": 0}, "max_step"),
-                                                ({"max_step": "1"}, "max_step"), ({"allow_tf32": 1}, "allow_tf32")])
+@pytest.mark.parametrize(("kwargs", "match"), [({"solver": {"project": "no"}}, "solver.project"),
+                                                ({"seed": 1.5}, "seed"), ({"layers": 3}, "layers"),
+                                                ({"solver": {"max_step": 0}}, "solver.max_step"),
+                                                ({"solver": {"max_step": "1"}}, "solver.max_step"),
+                                                ({"solver": {"allow_tf32": 1}}, "solver.allow_tf32")])
 def test_constructor_checks_types(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LPA3Callback(**kwargs)
@@ -444,7 +474,7 @@ def _with_bad_rows(n: int = 48, nan_rows=(3,), inf_rows=(10,)) -> DataLoader:
 def test_nonfinite_inputs_are_skipped_and_counted(tmp_path, sync_free):
     pl.seed_everything(0)
     module = NanTolerant()
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, sync_free=sync_free)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, runtime={"sync_free": sync_free})
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(module, _with_bad_rows())
     assert float(trainer.callback_metrics["lpa3/nonfinite_inputs"]) == 2.0
@@ -459,7 +489,7 @@ def test_labels_out_of_range_are_refused(tmp_path, sync_free, warmup_epochs):
     from lpa3_lightning.data import IndexedDataset
 
     loader = DataLoader(IndexedDataset(TensorDataset(xs, torch.full((8,), 5))), batch_size=4)
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, sync_free=sync_free, warmup_epochs=warmup_epochs)],
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, warmup_epochs=warmup_epochs, runtime={"sync_free": sync_free})],
                        max_epochs=1)
     with pytest.raises(ValueError, match="Labels out of range"):
         trainer.fit(TinyClassifier(), loader)
@@ -498,7 +528,7 @@ def test_non_tensor_outputs_through_the_lpa3_logits_adapter(tmp_path, wrap, unwr
             return unwrap(output)
 
     module = WrappedClassifier()
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, initial_selection="all")], max_epochs=1)
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, selection={"initial_selection": "all"})], max_epochs=1)
     trainer.fit(module, _loader())
     assert sum(module.seen_augmented) == 48
     assert "lpa3/label_preserved_epoch" in trainer.callback_metrics  # the adapter reached the training forward
@@ -506,7 +536,7 @@ def test_non_tensor_outputs_through_the_lpa3_logits_adapter(tmp_path, wrap, unwr
 
 def test_gradient_accumulation_attacks_and_tracks_every_micro_batch(tmp_path):
     module = TinyClassifier()
-    callback = LPA3Callback(ratio=0.5, steps=1, initial_selection="all")
+    callback = LPA3Callback(ratio=0.5, steps=1, selection={"initial_selection": "all"})
     trainer = _trainer(tmp_path, [callback], max_epochs=2, accumulate_grad_batches=3)
     trainer.fit(module, _loader())
     assert len(module.seen_augmented) == 6 and module.seen_augmented[:3] == [16, 16, 16]
@@ -528,7 +558,7 @@ class RecordsAugmented(TinyClassifier):
 
 
 def test_regenerate_every_n_epochs_reuses_x_prime(tmp_path, monkeypatch):
-    import lpa3_lightning.callback as callback_module
+    import lpa3_lightning.callback.augment_stage as callback_module
 
     attacked: list[int] = []
     original = callback_module.lpa3_attack
@@ -540,7 +570,7 @@ def test_regenerate_every_n_epochs_reuses_x_prime(tmp_path, monkeypatch):
     monkeypatch.setattr(callback_module, "lpa3_attack", counting)
     pl.seed_everything(0)
     module = RecordsAugmented()
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=3, checkpoint_cache=True)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, cache={"regenerate_every_n_epochs": 3, "in_checkpoint": True})
     trainer = _trainer(tmp_path, [callback], max_epochs=4)
     trainer.fit(module, _loader())
     # ratio 1: every sample selected every epoch; attacked in epochs 0 and 3 only
@@ -558,13 +588,13 @@ def test_regenerate_every_n_epochs_reuses_x_prime(tmp_path, monkeypatch):
 
 def test_cache_is_restored_on_resume(tmp_path):
     pl.seed_everything(0)
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=5, checkpoint_cache=True)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, cache={"regenerate_every_n_epochs": 5, "in_checkpoint": True})
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(TinyClassifier(), _loader())
     ckpt = tmp_path / "e1.ckpt"
     trainer.save_checkpoint(ckpt)
     module = RecordsAugmented()
-    resumed = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=5)
+    resumed = LPA3Callback(ratio=1.0, steps=1, seed=0, cache={"regenerate_every_n_epochs": 5})
     _trainer(tmp_path, [resumed], max_epochs=2).fit(module, _loader(), ckpt_path=ckpt)
     # epoch 1 after resume: every x' comes from the restored cache
     for i, received in module.received.items():
@@ -585,14 +615,14 @@ def test_checkpoint_of_the_first_state_version_still_resumes(tmp_path):
     checkpoint["callbacks"]["LPA3Callback"] = {"version": 1, "tcs": state["tcs"], "generator_state": None}
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
-    resumed = RecordsStartState(ratio=0.5, steps=1, seed=0, regenerate_every_n_epochs=2)
+    resumed = RecordsStartState(ratio=0.5, steps=1, seed=0, cache={"regenerate_every_n_epochs": 2})
     _trainer(tmp_path, [resumed], max_epochs=2).fit(TinyClassifier(), _loader(), ckpt_path=old)
     assert torch.equal(resumed.start_state["memory"], state["tcs"]["memory"])
     assert bool((resumed.start_written == -1).all())  # the cache starts empty
 
 
 def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
-    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=2, cache_max_bytes=0)
+    callback = LPA3Callback(ratio=1.0, steps=1, cache={"regenerate_every_n_epochs": 2, "max_bytes": 0})
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     seen: list = []
 
@@ -611,7 +641,7 @@ def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
 
 
 def test_the_cache_file_is_deleted_when_the_fit_fails(tmp_path):
-    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=2, cache_max_bytes=0)
+    callback = LPA3Callback(ratio=1.0, steps=1, cache={"regenerate_every_n_epochs": 2, "max_bytes": 0})
 
     class FailsLater(TinyClassifier):
         def training_step(self, batch, batch_idx):
@@ -627,7 +657,7 @@ def test_the_cache_file_is_deleted_when_the_fit_fails(tmp_path):
 def test_checkpoints_hold_no_cache_copy_unless_asked(tmp_path):
     sizes = {}
     for asked in (False, True):
-        callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3, checkpoint_cache=asked)
+        callback = LPA3Callback(ratio=1.0, steps=1, cache={"regenerate_every_n_epochs": 3, "in_checkpoint": asked})
         trainer = _trainer(tmp_path / str(asked), [callback], max_epochs=1)
         trainer.fit(TinyClassifier(), _loader())
         trainer.save_checkpoint(tmp_path / f"{asked}.ckpt")
@@ -667,7 +697,7 @@ def test_input_range_auto_without_a_normalization_warns_with_the_fix(tmp_path):
 def test_sync_batchnorm_converted_before_the_twins_trains(tmp_path):
     module = TinyClassifier(twin_bn=False)
     module.model = convert_dual_bn(nn.SyncBatchNorm.convert_sync_batchnorm(small_cnn()))
-    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, initial_selection="all")], max_epochs=1)
+    trainer = _trainer(tmp_path, [LPA3Callback(steps=1, selection={"initial_selection": "all"})], max_epochs=1)
     trainer.fit(module, _loader())
     assert sum(module.seen_augmented) == 48
 
@@ -701,7 +731,8 @@ def test_compiled_model_with_named_layers_in_a_trainer(tmp_path):
         callback = LPA3Callback(steps=1, layers=layers, seed=0, input_range=None)
         # the callback resolves names on the eager module behind the compiled wrapper
         callback.setup(_trainer(tmp_path, [], max_epochs=1), module, "fit")
-        return callback._attack(module, model, x, y, "eval", None)[0]
+        generator = torch.Generator().manual_seed(0)
+        return callback._runners[None].augmenter.solve(module, model, x, y, generator, "eval")[0]
 
     x_adv = solve(module.model, ["4"])
     eager = module.model._orig_mod
@@ -709,8 +740,17 @@ def test_compiled_model_with_named_layers_in_a_trainer(tmp_path):
     assert float((x_adv - solve(eager, ["0"])).abs().max()) > 1e-4  # the named layer is the one used
 
 
+def _augment_rows(callback, trainer, module, request):
+    """The augment stage alone on every row of ``request`` (as if TCS had selected them all)."""
+    from lpa3_lightning.callback.selection_stage import Selection
+
+    runner, n, epoch = callback._runners[None], request.inputs.shape[0], trainer.current_epoch
+    selection = Selection(torch.ones(n, dtype=torch.bool), n, n, n, 0)
+    return runner.augmenter.augment(module, request, selection, runner.cache, epoch, runner._solver_runs(epoch))
+
+
 def test_one_new_sample_among_cached_ones_waits(tmp_path):
-    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
+    callback = LPA3Callback(ratio=1.0, steps=1, cache={"regenerate_every_n_epochs": 3})
     module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
     trainer.fit(module, _loader(16, 16, shuffle=False))
@@ -720,12 +760,12 @@ def test_one_new_sample_among_cached_ones_waits(tmp_path):
     from lpa3_lightning.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(16, 1, 28, 28), torch.zeros(16, dtype=torch.long), torch.arange(16))
-    augmented, _ = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool), 16)
+    augmented, _ = _augment_rows(callback, trainer, module, request)
     assert len(augmented) == 15 and augmented.reused == 15 and not bool(augmented.mask[0])
 
 
 def test_a_cached_x_prime_is_reused_only_for_the_label_it_was_solved_for(tmp_path):
-    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
+    callback = LPA3Callback(ratio=1.0, steps=1, cache={"regenerate_every_n_epochs": 3})
     module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
     trainer.fit(module, _loader(16, 16, shuffle=False))
@@ -735,14 +775,14 @@ def test_a_cached_x_prime_is_reused_only_for_the_label_it_was_solved_for(tmp_pat
 
     targets = torch.tensor([0, 1] * 8)  # pseudo-labels moved on for half of them
     request = LPA3Request(torch.randn(16, 1, 28, 28), targets, torch.arange(16))
-    augmented, new_rows = callback._augment(trainer, module, request, torch.ones(16, dtype=torch.bool), 16)
+    augmented, new_rows = _augment_rows(callback, trainer, module, request)
     assert augmented.reused == 8  # only the label-0 entries were reused
     assert new_rows is not None and sorted(new_rows[0].tolist()) == list(range(1, 16, 2))  # the others re-solved
     assert torch.equal(new_rows[2], torch.ones(8, dtype=torch.long))
 
 
 def test_fast_solver_in_a_trainer_reaches_the_attack(tmp_path, monkeypatch):
-    import lpa3_lightning.callback as callback_module
+    import lpa3_lightning.callback.augment_stage as callback_module
 
     seen = []
     original = callback_module.lpa3_attack
@@ -750,15 +790,15 @@ def test_fast_solver_in_a_trainer_reaches_the_attack(tmp_path, monkeypatch):
                         lambda *a, **k: seen.append(k["fast"]) or original(*a, **k))
     pl.seed_everything(0)
     module = TinyClassifier()
-    trainer = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=3, fast=True, seed=0)], max_epochs=2)
+    trainer = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=3, seed=0, solver={"fast": True})], max_epochs=2)
     trainer.fit(module, _loader())
     assert seen and all(seen) and sum(module.seen_augmented) > 0
     with pytest.raises(ValueError, match="fast"):
-        LPA3Callback(fast="yes")
+        LPA3Callback(solver={"fast": "yes"})
 
 
 def test_max_step_reaches_the_solver(tmp_path, monkeypatch):
-    import lpa3_lightning.callback as callback_module
+    import lpa3_lightning.callback.augment_stage as callback_module
 
     seen = []
     real = callback_module.lpa3_attack
@@ -769,14 +809,14 @@ def test_max_step_reaches_the_solver(tmp_path, monkeypatch):
 
     monkeypatch.setattr(callback_module, "lpa3_attack", spy)
     pl.seed_everything(0)
-    trainer = _trainer(tmp_path, [LPA3Callback(ratio=1.0, steps=1, max_step=0.25, allow_tf32=True)], max_epochs=1)
+    trainer = _trainer(tmp_path, [LPA3Callback(ratio=1.0, steps=1, solver={"max_step": 0.25, "allow_tf32": True})], max_epochs=1)
     trainer.fit(TinyClassifier(), _loader())
     assert seen and set(seen) == {(0.25, True)}
 
 
 @pytest.mark.parametrize("attack_new", [True, False])
 def test_attack_new_selections_false_runs_the_solver_in_regeneration_epochs_only(tmp_path, monkeypatch, attack_new):
-    import lpa3_lightning.callback as callback_module
+    import lpa3_lightning.callback.augment_stage as callback_module
 
     attacked_per_epoch: dict[int, int] = {}
     original = callback_module.lpa3_attack
@@ -803,8 +843,8 @@ def test_attack_new_selections_false_runs_the_solver_in_regeneration_epochs_only
     pl.seed_everything(0)
     module = RecordsAugmented()
     # warm-up epoch 0; regeneration epochs 1 and 4 (warmup + m K); half the samples selected
-    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, warmup_epochs=1, regenerate_every_n_epochs=3,
-                            attack_new_selections=attack_new)
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, warmup_epochs=1,
+                            cache={"regenerate_every_n_epochs": 3, "attack_new_selections": attack_new})
     trainer = _trainer(tmp_path, [counter, callback], max_epochs=5)
     trainer.fit(module, _loader())
     assert attacked_per_epoch.get(1, 0) > 0 and attacked_per_epoch.get(4, 0) > 0
@@ -827,25 +867,26 @@ def test_attack_new_selections_false_runs_the_solver_in_regeneration_epochs_only
             augmented_share, tcs_share = counter.fractions[epoch]
             assert augmented_share < tcs_share
     with pytest.raises(ValueError, match="attack_new_selections"):
-        LPA3Callback(attack_new_selections="no")
+        LPA3Callback(cache={"attack_new_selections": "no"})
 
 
 def test_lazy_cache_regenerates_when_nothing_is_left_to_reuse(tmp_path):
     """A file cache restarts empty on resume: the next epoch must regenerate, not go without x'."""
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=4, attack_new_selections=False)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0,
+                            cache={"regenerate_every_n_epochs": 4, "attack_new_selections": False})
     trainer = _trainer(tmp_path, [callback], max_epochs=2)
     trainer.fit(TinyClassifier(), _loader())
     assert int(callback.cache.written.max()) == 0  # written in the regeneration epoch 0 only
-    assert not callback._regeneration_epoch(1) and not callback._regeneration_epoch(3)
-    assert callback._regeneration_epoch(4)
+    assert not callback._runners[None].regeneration_epoch(1) and not callback._runners[None].regeneration_epoch(3)
+    assert callback._runners[None].regeneration_epoch(4)
     callback.cache.written.fill_(-1)  # what a restarted file cache holds
-    assert callback._regeneration_epoch(2)
+    assert callback._runners[None].regeneration_epoch(2)
     callback.cache.written[:5] = 2  # entries of the current epoch do not count as reusable
-    assert callback._regeneration_epoch(2) and not callback._regeneration_epoch(3)
+    assert callback._runners[None].regeneration_epoch(2) and not callback._runners[None].regeneration_epoch(3)
 
 
 def test_a_lone_cached_x_prime_is_not_trained_alone(tmp_path):
-    callback = LPA3Callback(ratio=1.0, steps=1, regenerate_every_n_epochs=3)
+    callback = LPA3Callback(ratio=1.0, steps=1, cache={"regenerate_every_n_epochs": 3})
     module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
     trainer.fit(module, _loader(16, 16, shuffle=False))
@@ -854,13 +895,14 @@ def test_a_lone_cached_x_prime_is_not_trained_alone(tmp_path):
     from lpa3_lightning.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(2, 1, 28, 28), torch.zeros(2, dtype=torch.long), torch.arange(2))
-    augmented, _ = callback._augment(trainer, module, request, torch.ones(2, dtype=torch.bool), 2)
+    augmented, _ = _augment_rows(callback, trainer, module, request)
     assert len(augmented) == 0 and not bool(augmented.mask.any())
 
 
 # ---------------------------------------------------------------- wrong settings get a named error
 @pytest.mark.parametrize("width", [2, 4])
-def test_logits_of_another_width_than_lpa3_num_classes_are_refused_before_the_first_solve(tmp_path, width):
+def test_logits_of_another_width_than_lpa3_num_classes_are_refused_before_the_first_solve(tmp_path, monkeypatch,
+                                                                                          width):
     class OtherWidth(TinyClassifier):
         def __init__(self) -> None:
             super().__init__()
@@ -868,13 +910,12 @@ def test_logits_of_another_width_than_lpa3_num_classes_are_refused_before_the_fi
 
     solved: list[int] = []
 
-    class Counting(LPA3Callback):
-        def _solve(self, *args, **kwargs):
-            solved.append(1)
-            return super()._solve(*args, **kwargs)
+    import lpa3_lightning.callback.augment_stage as callback_module
 
+    real = callback_module.lpa3_attack
+    monkeypatch.setattr(callback_module, "lpa3_attack", lambda *a, **k: solved.append(1) or real(*a, **k))
     with pytest.raises(ValueError, match=f"logits of {width} classes but lpa3_num_classes is 3.*Fix"):
-        _trainer(tmp_path, [Counting(ratio=0.5, steps=1, seed=0, input_range=None)], max_epochs=1).fit(
+        _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=None)], max_epochs=1).fit(
             OtherWidth(), _loader())
     assert not solved  # (narrower logits used to fail inside the solver with torch's IndexError)
 
@@ -900,7 +941,7 @@ def test_a_module_without_a_network_to_attack_is_refused_at_setup(tmp_path):
 def test_a_memory_larger_than_the_data_warns_once_naming_num_samples(tmp_path):
     pl.seed_everything(0)
     with pytest.warns(UserWarning, match="TCS memory has 200 rows, but .* named only 48 distinct") as records:
-        _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0, num_samples=200, input_range=None)],
+        _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=None, selection={"num_samples": 200})],
                  max_epochs=14).fit(TinyClassifier(), _loader())
     assert sum("TCS memory has" in str(r.message) for r in records) == 1
     import warnings

@@ -50,8 +50,8 @@ def _fit(callbacks: list[Callback], max_epochs: int = 2, module: TinyClassifier 
 
 def _reads(sync_free: bool | str | None) -> HostReadCounter:
     count = CountOneStep()
-    middle = [] if sync_free is None else [LPA3Callback(ratio=0.5, steps=3, seed=0, sync_free=sync_free,
-                                                         input_range=(-3.0, 3.0))]
+    middle = [] if sync_free is None else [LPA3Callback(ratio=0.5, steps=3, seed=0, input_range=(-3.0, 3.0),
+                                                        runtime={"sync_free": sync_free})]
     module, _ = _fit([count.opener, *middle, count])
     if sync_free is not None:
         assert module.seen_augmented[4] > 1  # the counted step did solve and train on x'
@@ -72,7 +72,7 @@ def test_sync_free_training_equals_the_default_path():
     """Same seed, same data: the model, the TCS memory and the threshold after three epochs."""
     runs = {}
     for sync_free in (False, True):
-        callback = LPA3Callback(ratio=0.5, steps=3, seed=0, sync_free=sync_free, input_range=(-3.0, 3.0))
+        callback = LPA3Callback(ratio=0.5, steps=3, seed=0, input_range=(-3.0, 3.0), runtime={"sync_free": sync_free})
         module, trainer = _fit([callback], max_epochs=3)
         runs[sync_free] = (module, callback, trainer)
     (m0, c0, t0), (m1, c1, t1) = runs[False], runs[True]
@@ -104,7 +104,7 @@ def test_out_of_range_recorded_indices_get_a_named_error():
         def lpa3_record_predictions(self, indices, logits, targets=None, network=None):
             super().lpa3_record_predictions(indices + 100, logits, targets, network)
 
-    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, sync_free=True)
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, runtime={"sync_free": True})
     with pytest.raises(ValueError, match="recorded with `lpa3_record_predictions` were outside the training set"):
         _fit([callback], max_epochs=1, module=RecordsWrongIndices())
     assert not bool(callback.tcs.seen.any())  # none of them was applied to the memory
@@ -112,15 +112,16 @@ def test_out_of_range_recorded_indices_get_a_named_error():
 
 @pytest.mark.parametrize("regenerate", [1, 3])
 def test_a_bad_input_range_is_refused_on_the_sync_free_path(tmp_path, regenerate):
-    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, sync_free=True, input_range=(1.0, -1.0),
-                            regenerate_every_n_epochs=regenerate, cache_dir=str(tmp_path))
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=(1.0, -1.0),
+                            cache={"regenerate_every_n_epochs": regenerate, "dir": str(tmp_path)},
+                            runtime={"sync_free": True})
     with pytest.raises(ValueError, match="low < high"):
         _fit([callback], max_epochs=1)
 
 
 def test_sync_free_is_validated():
     with pytest.raises(ValueError, match="sync_free"):
-        LPA3Callback(sync_free="yes")
+        LPA3Callback(runtime={"sync_free": "yes"})
 
 
 def test_cuda_graphs_on_the_cpu_trains_as_the_sync_free_path():
@@ -129,8 +130,8 @@ def test_cuda_graphs_on_the_cpu_trains_as_the_sync_free_path():
     runs = {}
     for graphs in (False, True):
         count = CountOneStep()
-        callback = LPA3Callback(ratio=0.5, steps=3, seed=0, sync_free=True, cuda_graphs=graphs,
-                                input_range=(-3.0, 3.0))
+        callback = LPA3Callback(ratio=0.5, steps=3, seed=0, input_range=(-3.0, 3.0),
+                                runtime={"sync_free": True, "cuda_graphs": graphs})
         module, trainer = _fit([count.opener, callback, count], max_epochs=3)
         runs[graphs] = (module, callback, trainer, count.counter)
     (m0, c0, t0, _), (m1, c1, t1, reads) = runs[False], runs[True]
@@ -150,10 +151,10 @@ def test_cuda_graphs_on_the_cpu_trains_as_the_sync_free_path():
 
 
 def test_cuda_graphs_is_validated():
-    with pytest.raises(ValueError, match="`cuda_graphs` must be True or False"):
-        LPA3Callback(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="`runtime.cuda_graphs` must be True or False"):
+        LPA3Callback(runtime={"cuda_graphs": "yes"})
     with pytest.raises(ValueError, match="`cuda_graphs=True` needs the sync-free path.*Fix"):
-        LPA3Callback(cuda_graphs=True, sync_free=False)
-    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, cuda_graphs=True)  # sync_free="auto": off on the CPU
+        LPA3Callback(runtime={"cuda_graphs": True, "sync_free": False})
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, runtime={"cuda_graphs": True})  # sync_free="auto": off on the CPU
     with pytest.raises(ValueError, match="`cuda_graphs=True` needs the sync-free path.*CPU.*Fix"):
         _fit([callback], max_epochs=1)

@@ -34,7 +34,7 @@ def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path
         assert not callbacks
     else:
         assert len(callbacks) == 1 and callbacks[0].ratio == ratio and callbacks[0].sigma == 0.02
-        assert callbacks[0].max_step == (1.0 if name == "lpa3_maxstep1" else "auto")
+        assert callbacks[0].solver.max_step == (1.0 if name == "lpa3_maxstep1" else "auto")
     assert cli.datamodule.hparams.randaugment is randaugment
     if not name.startswith("demo"):
         assert cli.trainer.max_epochs == 100 and list(cli.model.hparams.milestones) == [50, 75]
@@ -98,3 +98,17 @@ def test_model_and_data_mismatch_is_refused_before_training(tmp_path):
                        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}")
     with pytest.raises(ValueError, match="--model.init_args.num_classes 2"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def test_a_flat_key_of_an_older_config_names_its_group(tmp_path):
+    text = (CONFIGS / "lpa3_maxstep1.yaml").read_text()
+    flat = text.replace("        solver:\n          lam: 1.0\n          max_step: 1.0", "        lam: 1.0\n        max_step: 1.0"
+                        ).replace("          attack_bn: auto", "        attack_bn: auto")
+    assert flat != text
+    path = tmp_path / "flat.yaml"
+    path.write_text(flat)
+    with pytest.raises(SystemExit) as info:
+        _instantiate(path, f"--trainer.default_root_dir={tmp_path}")
+    message = str(info.value)
+    assert "`max_step` moved to the `solver` group" in message and "`solver:` with `max_step:` under it" in message
+    assert "`lam` moved to the `solver` group" in message

@@ -197,7 +197,7 @@ def test_a_zero_weight_for_x_prime_is_refused_when_the_callback_attacks(tmp_path
 
 def test_the_callback_solves_nothing_in_the_warm_up(monkeypatch, tmp_path):
     """DivideMix trains x' after its warm-up only: no solve before, whatever the callback's own warm-up."""
-    solve = __import__("lpa3_lightning.callback", fromlist=["lpa3_attack"]).lpa3_attack
+    solve = __import__("lpa3_lightning.callback.augment_stage", fromlist=["lpa3_attack"]).lpa3_attack
     epochs: list[int] = []
     module = _module(warmup_epochs=1)
 
@@ -205,6 +205,6 @@ def test_the_callback_solves_nothing_in_the_warm_up(monkeypatch, tmp_path):
         epochs.append(module.trainer.current_epoch)
         return solve(model, x, y, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
     _trainer(2, [LPA3Callback(ratio=1.0, steps=1, seed=0, warmup_epochs=0)], tmp_path).fit(module, _data())
     assert epochs and set(epochs) == {1}

@@ -32,7 +32,9 @@ def _trainer(tmp_path, callbacks, max_epochs: int = 2, device: str = "cuda", **k
 
 def _callback(device: str, **kwargs) -> LPA3Callback:
     """The callback with sync_free="auto" on the GPU, and its GPU choice (True) forced on the CPU."""
-    return LPA3Callback(**kwargs, **({"sync_free": True} if device == "cpu" else {}))
+    if device == "cpu":
+        kwargs["runtime"] = {**kwargs.get("runtime", {}), "sync_free": True}
+    return LPA3Callback(**kwargs)
 
 
 def _remeasured_drop(model, x, x_adv, y, twin_bn: bool = False) -> torch.Tensor:
@@ -141,7 +143,7 @@ def test_fit_in_each_precision(tmp_path, device, precision):
 def test_cache_and_checkpoint_resume(tmp_path, device):
     pl.seed_everything(0)
     module = _module(device)
-    callback = _callback(device, ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2)
+    callback = _callback(device, ratio=0.5, steps=2, seed=0, cache={"regenerate_every_n_epochs": 2})
     trainer = _trainer(tmp_path, [callback], limit_train_batches=3, device=device)
     trainer.fit(module, datamodule=_breast(device))
     assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) > 0  # epoch 1 reused epoch 0's x'
@@ -149,7 +151,7 @@ def test_cache_and_checkpoint_resume(tmp_path, device):
     trainer.save_checkpoint(ckpt)
     saved_seen = int(callback.state_dict()["tcs"]["seen"].sum())
 
-    resumed = _callback(device, ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2)
+    resumed = _callback(device, ratio=0.5, steps=2, seed=0, cache={"regenerate_every_n_epochs": 2})
     trainer2 = _trainer(tmp_path, [resumed], max_epochs=3, limit_train_batches=3, device=device)
     trainer2.fit(_module(device), datamodule=_breast(device),
                  ckpt_path=ckpt)
@@ -162,7 +164,8 @@ def test_cache_and_checkpoint_resume(tmp_path, device):
 @pytest.mark.parametrize("on_device", [True, False])
 def test_the_x_prime_cache_lives_beside_the_model_and_reuse_reads_it_there(tmp_path, on_device):
     pl.seed_everything(0)
-    callback = LPA3Callback(ratio=0.5, steps=2, seed=0, regenerate_every_n_epochs=2, cache_on_device=on_device)
+    callback = LPA3Callback(ratio=0.5, steps=2, seed=0,
+                            cache={"regenerate_every_n_epochs": 2, "on_device": on_device})
     during: dict[str, str] = {}
 
     class Look(pl.Callback):  # the store and a read of it while the fit runs
@@ -245,7 +248,7 @@ def test_a_sync_free_callback_step_synchronises_at_most_once_in_the_package(tmp_
     pl.seed_everything(0)
     module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2)
     module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.01)  # no Adam step counters
-    callback = LPA3Callback(ratio=0.3, steps=2, seed=0, sync_free=True)
+    callback = LPA3Callback(ratio=0.3, steps=2, seed=0, runtime={"sync_free": True})
     _trainer(tmp_path, [window, callback, Close()], max_epochs=2).fit(module, datamodule=_breast())
     in_package = [site for site in syncs if "lpa3_lightning" in site]
     assert len(in_package) <= 1, in_package
@@ -355,7 +358,7 @@ def test_graphs_are_captured_again_when_the_model_moves():
 def test_a_fit_with_cuda_graphs_replays_and_keeps_the_label_as_trained(tmp_path, device):
     pl.seed_everything(0)
     module = _module(device)
-    callback = _callback(device, ratio=0.3, steps=3, seed=0, cuda_graphs=True)  # sync_free="auto": on a GPU
+    callback = _callback(device, ratio=0.3, steps=3, seed=0, runtime={"cuda_graphs": True})  # sync_free="auto": on a GPU
     trainer = _trainer(tmp_path, [callback], max_epochs=3, device=device)
     trainer.fit(module, datamodule=_breast(device))
     graphs = callback.solver_graphs

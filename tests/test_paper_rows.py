@@ -73,9 +73,11 @@ def _noisy_row(method: str, row: tuple[str, float], lpa3: bool) -> tuple[Path, d
 
 
 def _callback(config: dict, suffix: str) -> dict | None:
+    """The callback's init_args, with its ``solver`` group's keys (``lam``) read at the top level."""
     for callback in config["trainer"]["callbacks"]:
         if callback["class_path"].endswith(suffix):
-            return callback.get("init_args", {})
+            args = dict(callback.get("init_args", {}))
+            return {**args, **args.pop("solver", {})}
     return None
 
 

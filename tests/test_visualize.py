@@ -52,7 +52,7 @@ def test_saved_png_has_the_grid_size(tmp_path):
 
 def test_callback_logs_the_grid_to_tensorboard(tmp_path):
     pl.seed_everything(0)
-    callback = LPA3Callback(steps=1, log_images_every_n_epochs=1, num_logged_images=4)
+    callback = LPA3Callback(steps=1, logging={"images_every_n_epochs": 1, "num_images": 4})
     logger = pl.loggers.TensorBoardLogger(tmp_path, name="")
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", callbacks=[callback], logger=logger,
                          enable_progress_bar=False, enable_checkpointing=False)
@@ -68,7 +68,7 @@ def test_callback_logs_the_grid_to_tensorboard(tmp_path):
 def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys):
     pl.seed_everything(0)
     module = LPA3Classifier(num_classes=2, in_channels=1)
-    callback = LPA3Callback(ratio=0.5, sigma=0.05, steps=2, max_step=0.7, seed=0)
+    callback = LPA3Callback(ratio=0.5, sigma=0.05, steps=2, seed=0, solver={"max_step": 0.7})
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
@@ -124,7 +124,7 @@ def test_grid_logging_does_not_change_the_training_run(tmp_path):
     def run(every: int) -> dict[str, torch.Tensor]:
         pl.seed_everything(0)
         module = TinyClassifier()
-        callback = LPA3Callback(steps=1, log_images_every_n_epochs=every, num_logged_images=4)
+        callback = LPA3Callback(steps=1, logging={"images_every_n_epochs": every, "num_images": 4})
         trainer = pl.Trainer(max_epochs=2, accelerator="cpu", callbacks=[callback], deterministic=True,
                              logger=pl.loggers.TensorBoardLogger(tmp_path, name=f"e{every}"),
                              enable_progress_bar=False, enable_checkpointing=False)

@@ -146,7 +146,8 @@ def _yaml(name: str, *, source: str, model: str, mode: str, rate: float, convent
         ratio: {ratio}{ratio_note}
         sigma: {sigma}{sigma_note}
         steps: 5
-        lam: 1.0
+        solver:
+          lam: 1.0
         warmup_epochs: {lpa3_warmup}
 """
     root_line = f"    root: {root}\n" if root else ""

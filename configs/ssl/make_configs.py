@@ -59,7 +59,8 @@ def _yaml(name: str, *, source: str, arch: str, classes: int, channels: int, wd:
         ratio: 0.9
         sigma: {sigma}
         steps: 5
-        lam: 1.0
+        solver:
+          lam: 1.0
 """
     root_line = f"    root: {root}\n" if root else ""
     return f"""# {note}

@@ -5,7 +5,7 @@
                                          noise_full,noise_first,noise_resume,syncbn_pes,syncbn_dividemix,
                                          syncbn_pes_grid}
 
-'supervised' also caches x' (regenerate_every_n_epochs=2). 'user_module' trains a module
+'supervised' also caches x' (cache regenerate_every_n_epochs=2). 'user_module' trains a module
 written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
 and 'crash_rank1' make one rank's ``lpa3_request`` return an out-of-range index or raise a
 RuntimeError: every rank must stop with the reason instead of hanging. 'noise_full' trains 2 epochs,
@@ -30,7 +30,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import lpa3_lightning.callback.runner as runner_module  # noqa: E402
 from lpa3_lightning import LPA3Callback, convert_dual_bn  # noqa: E402
+from lpa3_lightning.callback.request_checks import check_request  # noqa: E402
+from lpa3_lightning.callback.selection_stage import Selection, select  # noqa: E402
 from lpa3_lightning.mixins import LPA3ModuleMixin  # noqa: E402
 from tests.helpers import indexed_images, small_cnn  # noqa: E402
 from tests.test_callback import TinyClassifier  # noqa: E402
@@ -110,7 +113,7 @@ class Recording(LPA3Callback):
     def _check_request(self, request, num_classes, num_samples, values=True):
         if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
             raise ValueError("Labels out of range (simulated on one rank)")
-        super()._check_request(request, num_classes, num_samples, values)
+        check_request(request, num_classes, num_samples, values)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         original = self.tcs.update
@@ -128,25 +131,32 @@ class Recording(LPA3Callback):
         finally:
             del self.tcs.update
 
-    def _augment(self, trainer, pl_module, *args, **kwargs):
-        augmented, new_rows = super()._augment(trainer, pl_module, *args, **kwargs)
+    def on_augmented(self, trainer, pl_module, augmented):
         self.x_prime.append((trainer.current_epoch, augmented.indices.cpu().clone(), augmented.inputs.cpu().clone()))
-        return augmented, new_rows
 
-    def _select(self, request, epoch):
-        return self._recorded(request, *super()._select(request, epoch))
-
-    def _select_sync_free(self, request, epoch):
-        return self._recorded(request, *super()._select_sync_free(request, epoch))
-
-    def _recorded(self, request, mask, tcs_selected, count, trained):
+    def _select(self, memory, request, epoch, sync_free, bad_recorded):
+        selection = select(memory, request, epoch, sync_free, bad_recorded)
         if self.empty_rank is not None and self._rank == self.empty_rank:
-            mask, count, trained = torch.zeros_like(mask), 0, None if trained is None else 0
-        self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
-        return mask, tcs_selected, count, trained
+            selection = Selection(torch.zeros_like(selection.mask), 0, selection.tcs_selected, 0, selection.nonfinite)
+        self.record.append((request.indices.cpu().clone(), selection.mask.cpu().clone()))
+        return selection
+
+    def _patch_stages(self, own: bool) -> None:
+        # the runner looks its stages up by name: this callback's versions record and simulate
+        runner_module.select = self._select if own else select
+        runner_module.check_request = self._check_request if own else check_request
+
+    def on_fit_end(self, trainer, pl_module):
+        self._patch_stages(False)
+        super().on_fit_end(trainer, pl_module)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._patch_stages(False)
+        super().on_exception(trainer, pl_module, exception)
 
     def on_train_start(self, trainer, pl_module):
         self._rank = trainer.global_rank
+        self._patch_stages(True)
         super().on_train_start(trainer, pl_module)
 
 
@@ -191,7 +201,7 @@ def _syncbn_run(out: Path, mode: str) -> None:
     if mode in ("syncbn_pes", "syncbn_pes_grid"):
         if mode == "syncbn_pes_grid":
             logger = TensorBoardLogger(out, name="")
-            callback_args = {"log_images_every_n_epochs": 1, "num_logged_images": 4}
+            callback_args = {"logging": {"images_every_n_epochs": 1, "num_images": 4}}
         module = PESClassifier(num_classes=3, num_samples=N, model=_synced(_net()), twin_bn=False, early_epochs=1,
                                refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0)
         split = module._pes_split_rows
@@ -221,7 +231,7 @@ def _syncbn_run(out: Path, mode: str) -> None:
                          logger=logger, enable_checkpointing=False, enable_progress_bar=False, log_every_n_steps=1,
                          enable_model_summary=False, default_root_dir=out)
     trainer.fit(module, loader)
-    torch.save({"synced_forwards": SYNCED_FORWARDS[0], "grid": callback.last_grid,
+    torch.save({"synced_forwards": SYNCED_FORWARDS[0], "grid": None if callback.networks else callback.last_grid,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                out / f"rank{trainer.global_rank}.pt")
 
@@ -269,7 +279,7 @@ def main(out: Path, mode: str) -> None:
 
         module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0,
                                      stratified_split=mode == "dividemix_stratified")
-        callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=1, regenerate_every_n_epochs=2)
+        callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=1, cache={"regenerate_every_n_epochs": 2})
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=out)
@@ -283,7 +293,7 @@ def main(out: Path, mode: str) -> None:
                    out / f"rank{trainer.global_rank}.pt")
         return
     if mode.startswith("noise_"):  # noise_full: 2 epochs; noise_first: epoch 0 + checkpoint; noise_resume: epoch 1
-        callback = Recording(ratio=0.5, steps=2, seed=0, sync_free=sync_free)
+        callback = Recording(ratio=0.5, steps=2, seed=0, runtime={"sync_free": sync_free})
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1 if mode == "noise_first" else 2,
                              callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=out, deterministic=True)
@@ -301,9 +311,10 @@ def main(out: Path, mode: str) -> None:
     else:
         module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
     callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None,
-                         bad_rank=1 if mode == "bad_rank1" else None, warmup_epochs=1 if user else 0,
-                         regenerate_every_n_epochs=2 if mode in ("supervised", "empty_rank1") else 1,
-                         sync_free=sync_free)
+                         bad_rank=1 if mode == "bad_rank1" else None,
+                         warmup_epochs=1 if user else 0,
+                         cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1},
+                         runtime={"sync_free": sync_free})
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)

@@ -204,16 +204,14 @@ def test_a_cached_x_prime_is_reused_only_for_its_pseudo_label(tmp_path):
     rows: list[tuple[int, int, int, torch.Tensor, bool]] = []  # (epoch, index, label, x', solved now)
 
     class Recording(LPA3Callback):
-        def _augment(self, trainer, pl_module, *args, **kwargs):
-            augmented, new_rows = super()._augment(trainer, pl_module, *args, **kwargs)
-            solved = set() if new_rows is None else set(new_rows[0].tolist())
-            for i, label, x in zip(augmented.indices.tolist(), augmented.targets.tolist(), augmented.inputs):
-                rows.append((trainer.current_epoch, i, label, x.clone(), i in solved))
-            return augmented, new_rows
+        def on_augmented(self, trainer, pl_module, augmented):
+            for i, label, x, cached in zip(augmented.indices.tolist(), augmented.targets.tolist(), augmented.inputs,
+                                           augmented.from_cache.tolist()):
+                rows.append((trainer.current_epoch, i, label, x.clone(), not cached))
 
     pl.seed_everything(0)
     module = UserFixMatch(num_unlabeled=64, confidence=0.4)
-    callback = Recording(ratio=1.0, steps=1, seed=0, input_range=None, regenerate_every_n_epochs=3)
+    callback = Recording(ratio=1.0, steps=1, seed=0, input_range=None, cache={"regenerate_every_n_epochs": 3})
     _trainer(tmp_path, [callback], max_epochs=2).fit(module, _loaders())
     first = {i: (label, x) for epoch, i, label, x, _ in rows if epoch == 0}
     kept = changed = 0
@@ -265,7 +263,7 @@ def test_a_sync_free_fixmatch_step_makes_at_most_one_host_read_more_than_plain_f
     for name in ("plain", "sync_free"):
         pl.seed_everything(0)
         count = CountOneStep(epoch=1, batch_idx=1)
-        middle = [LPA3Callback(ratio=0.5, steps=2, seed=0, input_range=None, sync_free=True)] if name != "plain" \
+        middle = [LPA3Callback(ratio=0.5, steps=2, seed=0, input_range=None, runtime={"sync_free": True})] if name != "plain" \
             else []
         module = Quiet(num_unlabeled=64, confidence=0.4)  # some rows pass the second threshold
         _trainer(tmp_path, [count.opener, *middle, count], max_epochs=2).fit(module, _loaders())
@@ -348,7 +346,7 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
     runs = {}
     for solve_trained_only in (False, True):
         calls: list[int] = []
-        monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", _deterministic_solver(calls))
+        monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", _deterministic_solver(calls))
         pl.seed_everything(0)
         # some rows pass, some do not; with a cache no loss warm-up (an x' cached in it would be
         # reused after it, which the run that does not solve in the warm-up cannot do)
@@ -356,7 +354,7 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
         module.lpa3_solve_trained_only = solve_trained_only
         module.lpa3_train_forward = train_forward
         callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None,
-                                **({"regenerate_every_n_epochs": 2, "attack_new_selections": False} if cache else {}))
+                                cache={"regenerate_every_n_epochs": 2, "attack_new_selections": False} if cache else None)
         _trainer(tmp_path, [callback], max_epochs=3).fit(module, _loaders())
         runs[solve_trained_only] = (module.parts, calls)
     (authors, authors_calls), (trained, trained_calls) = runs[False], runs[True]
@@ -384,10 +382,10 @@ def test_the_sync_free_path_solves_only_the_trained_rows_as_the_default_path_doe
     runs = {}
     for sync_free in (False, True):
         calls: list[int] = []
-        monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", _deterministic_solver(calls))
+        monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", _deterministic_solver(calls))
         pl.seed_everything(0)
         module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.7)
-        callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None, sync_free=sync_free)
+        callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None, runtime={"sync_free": sync_free})
         trainer = _trainer(tmp_path, [callback], max_epochs=3)
         trainer.fit(module, _loaders())
         runs[sync_free] = (module.parts, calls, float(trainer.callback_metrics["lpa3/skipped_fraction_epoch"]))

@@ -370,7 +370,7 @@ def test_the_callback_solves_only_in_the_epochs_the_module_trains_x_prime(monkey
         solved[callback._epoch] = solved.get(callback._epoch, 0) + int(x.shape[0])
         return solve(model, x, y, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
     pl.seed_everything(0)
     module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
                            lambda_u=5.0, rampup_epochs=1.0)
@@ -383,7 +383,7 @@ def test_the_cache_windows_start_where_the_module_starts_training_x_prime(monkey
     """With K = 3 and the semi phase from epoch 2 (the callback's own warm-up 0), the solver runs in
     epochs 2 and 5: the windows count from the first epoch the module trains x' (anchored at the
     callback's warm-up they would regenerate in epoch 3, one epoch into the first window)."""
-    solve = __import__("lpa3_lightning.callback", fromlist=["lpa3_attack"]).lpa3_attack
+    solve = __import__("lpa3_lightning.callback.augment_stage", fromlist=["lpa3_attack"]).lpa3_attack
     epochs: set[int] = set()
     module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
                            lambda_u=5.0, rampup_epochs=1.0)
@@ -392,8 +392,9 @@ def test_the_cache_windows_start_where_the_module_starts_training_x_prime(monkey
         epochs.add(module.trainer.current_epoch)
         return solve(model, x, y, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
     pl.seed_everything(0)
-    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, regenerate_every_n_epochs=3, attack_new_selections=False)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0,
+                            cache={"regenerate_every_n_epochs": 3, "attack_new_selections": False})
     _fit(module, 6, callback, tmp_path)
     assert epochs == {2, 5}

@@ -40,7 +40,8 @@ def main(out: Path, mode: str) -> None:
     module = TinyClassifier()
     # seed=None: the solver's noise comes from torch's global generator, whose state the
     # callback checkpoints; the x' cache (K=2) is checkpointed too.
-    callbacks: list[Callback] = [LPA3Callback(ratio=0.5, steps=2, regenerate_every_n_epochs=2, checkpoint_cache=True),
+    callbacks: list[Callback] = [LPA3Callback(ratio=0.5, steps=2,
+                                              cache={"regenerate_every_n_epochs": 2, "in_checkpoint": True}),
                                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1,
                                                  save_last=True)]
     if mode == "killed":

@@ -1,0 +1,16 @@
+"""The Lightning side of LP-A3: :class:`LPA3Callback` and its settings.
+
+The per-batch path, stage by stage: :mod:`.request_checks` (the module's request) ->
+:mod:`.selection_stage` (TCS selection) -> :mod:`.augment_stage` (the hard positives) ->
+the module's loss -> :mod:`.memory_stage` (the TCS update); :mod:`.logging_stage` logs each;
+:mod:`.runner` runs them for one network; :mod:`.lpa3_callback` holds the Lightning hooks.
+"""
+
+from lpa3_lightning.callback.augment_stage import batch_noise_seed
+from lpa3_lightning.callback.lpa3_callback import LPA3Callback
+from lpa3_lightning.callback.settings import (
+    PRESETS, CacheSettings, LoggingSettings, RuntimeSettings, SelectionSettings, SolverSettings,
+)
+
+__all__ = ["CacheSettings", "LPA3Callback", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings",
+           "SolverSettings", "batch_noise_seed"]
