@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lpa3_lightning.distributed import bytes_per_sample, gather_predictions  # noqa: E402
+from lpa3_lightning.core.distributed import bytes_per_sample, gather_predictions  # noqa: E402
 from lpa3_lightning.models import medmnist_resnet  # noqa: E402
 
 WORLD_SIZE = 2

@@ -39,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import StepTimer, sync  # noqa: E402
+from benchmarks.harness import StepTimer, sync  # noqa: E402
+
 CONFIGS = ("fixmatch", "fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_lpa3_cached")
 RATIO = 0.9
 #: setting -> (arch, (channels, size), batch size, mu); the paper's CIFAR-10 rows use ratio 0.9 too
@@ -125,7 +126,7 @@ def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28))
     """(5 x (forward + input-gradient backward), one twin-BN training pass) on the selected share."""
     import torch
 
-    from lpa3_lightning.dual_bn import use_twin_bn
+    from lpa3_lightning.core.dual_bn import use_twin_bn
 
     model = module.model
     device = module.device

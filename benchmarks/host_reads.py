@@ -11,7 +11,7 @@ the callback's ``on_train_batch_end``) after a warm-up epoch, and counts the ope
 dispatches (torch profiler events). It prints them for the plain step (no callback), the
 LP-A3 step on the default path and on the sync-free path (``LPA3Callback(runtime={"sync_free": True})``,
 the path ``sync_free="auto"`` takes on a GPU), and each LP-A3 step's reads by call site in the
-package (the counter is :class:`lpa3_lightning.host_reads.HostReadCounter`).
+package (the counter is :class:`lpa3_lightning.core.host_reads.HostReadCounter`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def measure(sync_free: bool | None, args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from lpa3_lightning import LPA3Callback, LPA3Classifier
+    from lpa3_lightning.core.host_reads import HostReadCounter
     from lpa3_lightning.data import MedMNISTDataModule
-    from lpa3_lightning.host_reads import HostReadCounter
 
     result: dict = {}
 

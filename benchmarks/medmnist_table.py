@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import apply_threads, sweep_arguments, worker_command, write_result  # noqa: E402
+
 #: method name -> (RandAugment on, LPA3Callback arguments or None for no LP-A3)
 METHODS: dict[str, tuple[bool, dict | None]] = {
     "baseline": (False, None),
@@ -133,7 +135,7 @@ def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path, ac
     complete = len(recorder.rows) == epochs
     result = _result(recorder.rows, complete)
     if complete:
-        path.write_text(json.dumps(result, indent=1))
+        write_result(path, result)
         partial.unlink(missing_ok=True)
     return result
 
@@ -274,15 +276,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--flags", nargs="+", default=["breastmnist"])
     parser.add_argument("--methods", nargs="+", default=["baseline", "randaugment", "lpa3"], choices=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--flag-epochs", nargs="*", default=[], metavar="FLAG=EPOCHS",
                         help="a budget for one flag (others use --epochs)")
     parser.add_argument("--root", default=str(ROOT.parent / "shared" / "data" / "medmnist"))
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "medmnist_runs")
+    sweep_arguments(parser, out=ROOT / "docs" / "medmnist_runs")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds from now after which no run starts and running ones stop after their epoch")
     parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # flag method seed
@@ -291,10 +290,7 @@ def main() -> None:
     if args.jobs < 1:
         sys.exit(f"--jobs must be >= 1, got {args.jobs}")
     budget = _parse_flag_epochs(args.flag_epochs, args.flags, args.epochs)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     if args.worker:
         flag, method, seed = args.worker
         run(flag, args.root, method, int(seed), budget[flag], args.out, args.accelerator, args.stop_at)
@@ -317,12 +313,10 @@ def main() -> None:
                 flag, method, seed = job = queue.pop(0)
                 if result_path(args.out, flag, method, budget[flag], seed).exists():
                     continue
-                cmd = [sys.executable, __file__, "--worker", flag, method, str(seed), "--epochs", str(args.epochs),
-                       "--flags", *args.flags, "--root", args.root, "--out", str(args.out),
-                       "--accelerator", args.accelerator]
-                cmd += ["--flag-epochs", *args.flag_epochs] if args.flag_epochs else []
-                cmd += ["--threads", str(args.threads)] if args.threads else []
-                cmd += ["--stop-at", str(stop_at)] if stop_at is not None else []
+                cmd = worker_command(__file__, job, {
+                    "--epochs": args.epochs, "--flags": args.flags, "--root": args.root, "--out": args.out,
+                    "--accelerator": args.accelerator, "--flag-epochs": args.flag_epochs, "--threads": args.threads,
+                    "--stop-at": stop_at})
                 running.append((subprocess.Popen(cmd, cwd=ROOT), job))
             if stop_at is not None and time.time() >= stop_at:
                 queue.clear()

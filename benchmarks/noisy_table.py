@@ -38,7 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import mean_std, run_processes  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    apply_threads, load_results, mean_std, run_sweep, sweep_arguments, worker_command, write_result,
+)
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
            "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3", "dividemix_st_cp",
@@ -137,8 +139,7 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
               "epochs": epochs, "warmup": warmup, "refine": refine, "lambda_u": lambda_u, "batch_size": batch_size,
               "final_test_acc": curve.rows[-1]["test_acc"], "best_test_acc": max(r["test_acc"] for r in curve.rows),
               "wall_seconds": curve.seconds, "curve": curve.rows}
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    write_result(path, result)
     return result
 
 
@@ -159,7 +160,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sources", nargs="+", default=["mnist5k"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.8, 0.5])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS[:5]), choices=METHODS)
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10, help="PES's T1 and DivideMix's warm-up, in epochs")
@@ -167,15 +167,10 @@ def main() -> None:
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "noisy_runs")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    parser.add_argument("--threads", type=int, default=None)
+    sweep_arguments(parser, out=ROOT / "docs" / "noisy_runs")
     parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source rate method seed
     args = parser.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     settings = (args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out, args.root)
     if args.worker:
         source, rate, method, seed = args.worker
@@ -184,17 +179,13 @@ def main() -> None:
     todo = [(s, r, seed, m) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
 
     def command(source: str, rate: float, seed: int, method: str) -> list[str]:
-        cmd = [sys.executable, __file__, "--worker", source, str(rate), method, str(seed), "--epochs", str(args.epochs),
-               "--warmup", str(args.warmup), "--refine", str(args.refine), "--lambda-u", str(args.lambda_u),
-               "--batch-size", str(args.batch_size), "--out", str(args.out)]
-        return cmd + (["--root", args.root] if args.root else []) + (["--threads", str(args.threads)] if args.threads
-                                                                      else [])
+        return worker_command(__file__, (source, rate, method, seed), {
+            "--epochs": args.epochs, "--warmup": args.warmup, "--refine": args.refine, "--lambda-u": args.lambda_u,
+            "--batch-size": args.batch_size, "--out": args.out, "--root": args.root, "--threads": args.threads})
 
-    run_processes((command(*job) for job in todo
-                   if not result_path(args.out, job[0], job[1], job[3], job[2], args.epochs).exists()), args.jobs, ROOT)
-    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
-    results = [r for r in results if r["epochs"] == args.epochs and r["source"] in args.sources]
-    print(summarize(results))
+    run_sweep(todo, lambda source, rate, seed, method: result_path(args.out, source, rate, method, seed, args.epochs),
+              command, args.jobs)
+    print(summarize(load_results(args.out, lambda r: r["epochs"] == args.epochs and r["source"] in args.sources)))
 
 
 if __name__ == "__main__":

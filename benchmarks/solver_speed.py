@@ -39,9 +39,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lpa3_lightning import lpa3_attack  # noqa: E402
-from lpa3_lightning.attack import full_float32, _label_logp, resolve_input_range  # noqa: E402
-from lpa3_lightning.solver_graphs import SolverGraphs  # noqa: E402
-from lpa3_lightning.features import PerceptualFeatures  # noqa: E402
+from lpa3_lightning.core.features import PerceptualFeatures  # noqa: E402
+from lpa3_lightning.core.input_box import resolve_input_range  # noqa: E402
+from lpa3_lightning.core.solver_forward import full_float32, label_logp  # noqa: E402
+from lpa3_lightning.core.solver_graphs import SolverGraphs  # noqa: E402
 from lpa3_lightning.models import medmnist_resnet, wrn28_2  # noqa: E402
 
 SIGMA = 0.02
@@ -53,21 +54,21 @@ def authors_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, noise: torc
     feats = PerceptualFeatures(model)
     with torch.no_grad():
         logits0, phi0 = feats(x)
-        logp0 = _label_logp(logits0, y, 1.0)
+        logp0 = label_logp(logits0, y, 1.0)
     delta = (x + (2 * noise - 1) * 0.01).clamp(low, high) - x
     for t in range(steps):
         step = sigma * 0.1 ** (t / steps)
         lam_t = lam * 0.1 ** (1 - t / steps)
         delta = delta.detach().requires_grad_(True)
         logits, phi = feats(x + delta)
-        logp = _label_logp(logits, y, 1.0)
+        logp = label_logp(logits, y, 1.0)
         loss = -(phi - phi0).norm(dim=1).mean() + lam_t * F.relu(logp0 - logp - sigma).mean()
         model.zero_grad()
         loss.backward()
         g = delta.grad
         g_hat = g / (g.flatten(1).norm(dim=1).view(-1, *[1] * (x.dim() - 1)) + 1e-8)
         with torch.no_grad():
-            logp_fd = _label_logp(model(x + delta - 0.1 * g_hat), y, 1.0)
+            logp_fd = label_logp(model(x + delta - 0.1 * g_hat), y, 1.0)
             slope = (logp.detach() - logp_fd).abs() / 0.1
             delta = (x + delta - g_hat * (step / (slope + 1e-4)).view(-1, *[1] * (x.dim() - 1))).clamp(low, high) - x
     model.zero_grad(set_to_none=True)
@@ -126,7 +127,7 @@ def _quality(model: nn.Module, x: torch.Tensor, y: torch.Tensor, x_adv: torch.Te
     with torch.no_grad(), full_float32(x.device):
         logits0, phi0 = feats(x)
         logits1, phi1 = feats(x_adv)
-    drop = _label_logp(logits0, y, 1.0) - _label_logp(logits1, y, 1.0)
+    drop = label_logp(logits0, y, 1.0) - label_logp(logits1, y, 1.0)
     return (float((drop <= SIGMA + 1e-5).float().mean()), float((drop - SIGMA).max()),
             float((phi1 - phi0).norm(dim=1).mean()))
 

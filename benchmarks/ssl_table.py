@@ -24,7 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import mean_std, run_processes  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    apply_threads, load_results, mean_std, run_sweep, sweep_arguments, worker_command, write_result,
+)
 
 METHODS = ("fixmatch", "fixmatch_lpa3")
 
@@ -80,7 +82,7 @@ class PseudoLabelTally:
         module.lpa3_take_augmented = recording_take_augmented
 
     def count(self, batch) -> None:
-        from lpa3_lightning.mixins.fixmatch import split_semi_supervised_batch
+        from lpa3_lightning.methods.fixmatch import split_semi_supervised_batch
 
         if "pseudo" not in self.seen:
             return
@@ -121,7 +123,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 
     from lpa3_lightning import FixMatchClassifier, LPA3Callback
-    from lpa3_lightning.attack import AUTO_MAX_STEP_FRACTION
+    from lpa3_lightning.core.input_box import AUTO_MAX_STEP_FRACTION
     from lpa3_lightning.data import SemiSupervisedDataModule
 
     path = result_path(out, source, labels, method, seed, steps, regenerate, solve_trained_only, lpa3_confidence)
@@ -188,8 +190,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "num_workers": num_workers, "auto_max_step_fraction": AUTO_MAX_STEP_FRACTION,
               "solve_trained_only": solve_trained_only,
               "lpa3_confidence": module.lpa3_confidence_threshold if method == "fixmatch_lpa3" else None}
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    write_result(path, result)
     return result
 
 
@@ -250,7 +251,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sources", nargs="+", default=["mnist5k"])
     parser.add_argument("--labels", nargs="+", type=int, default=[10, 20, 40])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -267,16 +267,11 @@ def main() -> None:
                         help="FixMatchClassifier(lpa3_confidence_threshold=): the x' term's pseudo-label confidence "
                              "threshold; None: the module's default (0.9, the authors')")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ssl_runs")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    parser.add_argument("--threads", type=int, default=None)
+    sweep_arguments(parser, out=ROOT / "docs" / "ssl_runs")
     parser.add_argument("--plot", type=Path, default=None, help="write the convergence plot (PNG) here")
     parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source labels method seed
     args = parser.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     if args.worker:
         source, labels, method, seed = args.worker
         run(source, int(labels), method, int(seed), args.steps, args.eval_every, args.out, args.root,
@@ -285,25 +280,24 @@ def main() -> None:
     todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
 
     def command(source: str, labels: int, method: str, seed: int) -> list[str]:
-        cmd = [sys.executable, __file__, "--worker", source, str(labels), method, str(seed), "--steps",
-               str(args.steps), "--eval-every", str(args.eval_every), "--lpa3-warmup", str(args.lpa3_warmup),
-               "--regenerate", str(args.regenerate), "--out", str(args.out), "--num-workers", str(args.num_workers)]
-        cmd += ["--solve-trained-only"] if args.solve_trained_only else []
-        cmd += ["--lpa3-confidence", str(args.lpa3_confidence)] if args.lpa3_confidence is not None else []
-        return cmd + (["--root", args.root] if args.root else []) + (["--threads", str(args.threads)] if args.threads
-                                                                      else [])
+        return worker_command(__file__, (source, labels, method, seed), {
+            "--steps": args.steps, "--eval-every": args.eval_every, "--lpa3-warmup": args.lpa3_warmup,
+            "--regenerate": args.regenerate, "--out": args.out, "--num-workers": args.num_workers,
+            "--solve-trained-only": args.solve_trained_only, "--lpa3-confidence": args.lpa3_confidence,
+            "--root": args.root, "--threads": args.threads})
 
-    run_processes((command(*job) for job in todo
-                   if not result_path(args.out, job[0], job[1], job[2], job[3], args.steps, args.regenerate,
-                                      args.solve_trained_only, args.lpa3_confidence).exists()),
-                  args.jobs, ROOT)
-    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))] if args.out.exists() else []
-    results = [r for r in results if r["steps"] == args.steps and r["source"] in args.sources
-               and r["labels"] in args.labels
-               and (r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
-                                                  and r.get("solve_trained_only", False) == args.solve_trained_only
-                                                  and _threshold(r.get("lpa3_confidence"))
-                                                  == _threshold(args.lpa3_confidence)))]
+    def done(source: str, labels: int, method: str, seed: int) -> Path:
+        return result_path(args.out, source, labels, method, seed, args.steps, args.regenerate,
+                           args.solve_trained_only, args.lpa3_confidence)
+
+    def this_sweep(r: dict) -> bool:  # fixmatch rows are shared by every LP-A3 setting
+        return r["steps"] == args.steps and r["source"] in args.sources and r["labels"] in args.labels and (
+            r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
+                                          and r.get("solve_trained_only", False) == args.solve_trained_only
+                                          and _threshold(r.get("lpa3_confidence")) == _threshold(args.lpa3_confidence)))
+
+    run_sweep(todo, done, command, args.jobs)
+    results = load_results(args.out, this_sweep)
     print(summarize(results))
     if args.plot and results:
         print(f"plot: {plot_convergence(results, args.plot)}")

@@ -39,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import StepTimer, sync  # noqa: E402
+from benchmarks.harness import StepTimer, sync  # noqa: E402
+
 CONFIGS = ("baseline", "lpa3", "lpa3_eager", "lpa3_graphs", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy",
            "lpa3_cached_graphs")
 
@@ -97,7 +98,7 @@ def _floor(module, ratio: float) -> tuple[float, float]:
     is added by the caller)."""
     import torch
 
-    from lpa3_lightning.dual_bn import use_twin_bn
+    from lpa3_lightning.core.dual_bn import use_twin_bn
 
     model = module.model
     device = module.device

@@ -1,18 +1,21 @@
 """LP-A3: label-preserving adversarial auto-augmentation (Yang et al., NeurIPS 2022) for Lightning.
 
-The algorithm (``tcs``, ``selection``, ``features``, ``attack``, ``solver_graphs``, ``dual_bn``) imports no
-Lightning and works in a plain PyTorch loop; Lightning lives in ``callback``, ``mixins``,
-``classifier``, ``data`` and ``cli``.
+The package in folders: ``core`` (the algorithm in plain PyTorch: no Lightning import, usable in
+any training loop), ``callback`` (:class:`LPA3Callback` and its stages), ``methods`` (the mixins
+for supervised, FixMatch, PES and DivideMix training and their pieces), ``modules`` (ready
+LightningModules), ``data``, ``models`` and ``cli`` (the ``lpa3`` command).
 """
 
-from lpa3_lightning.attack import AttackStats, lpa3_attack, resolve_input_range
-from lpa3_lightning.augmented import AugmentedBatch, LPA3Request
-from lpa3_lightning.augmented_forward import augmented_logits
-from lpa3_lightning.dual_bn import convert_dual_bn, has_dual_bn, use_twin_bn
-from lpa3_lightning.features import PerceptualFeatures, default_feature_layers
-from lpa3_lightning.selection import select_below_threshold, selection_threshold
-from lpa3_lightning.solver_graphs import SolverGraphs
-from lpa3_lightning.tcs import TimeConsistency, tcs_divergence, tcs_update
+from lpa3_lightning.core.attack import AttackStats, lpa3_attack
+from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.core.augmented_forward import augmented_logits
+from lpa3_lightning.core.dual_bn import convert_dual_bn, has_dual_bn, use_twin_bn
+from lpa3_lightning.core.feature_layers import default_feature_layers
+from lpa3_lightning.core.features import PerceptualFeatures
+from lpa3_lightning.core.input_box import resolve_input_range
+from lpa3_lightning.core.selection import select_below_threshold, selection_threshold
+from lpa3_lightning.core.solver_graphs import SolverGraphs
+from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
 
 __version__ = "0.1.0"
 
@@ -61,23 +64,23 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
 
         return LPA3Callback
     if name == "LPA3Classifier":
-        from lpa3_lightning.classifier import LPA3Classifier
+        from lpa3_lightning.modules.classifier import LPA3Classifier
 
         return LPA3Classifier
     if name == "FixMatchEMA":
-        from lpa3_lightning.ema import FixMatchEMA
+        from lpa3_lightning.methods.fixmatch_ema import FixMatchEMA
 
         return FixMatchEMA
     if name == "FixMatchClassifier":
-        from lpa3_lightning.fixmatch_classifier import FixMatchClassifier
+        from lpa3_lightning.modules.fixmatch_classifier import FixMatchClassifier
 
         return FixMatchClassifier
     if name == "DivideMixClassifier":
-        from lpa3_lightning.dividemix_classifier import DivideMixClassifier
+        from lpa3_lightning.modules.dividemix_classifier import DivideMixClassifier
 
         return DivideMixClassifier
     if name == "PESClassifier":
-        from lpa3_lightning.pes_classifier import PESClassifier
+        from lpa3_lightning.modules.pes_classifier import PESClassifier
 
         return PESClassifier
     raise AttributeError(f"module 'lpa3_lightning' has no attribute {name!r}")

@@ -24,18 +24,34 @@ def small_cnn(in_channels: int = 1, num_classes: int = 3, width: int = 8) -> nn.
     )
 
 
+#: (seed, steps) -> (trained weights, global RNG state after training): trained once a session
+_CONFIDENT: dict[tuple[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+
+
 def confident_cnn(seed: int = 0, steps: int = 150) -> nn.Module:
-    """A small CNN trained to saturation on :func:`indexed_images` (p(y|x) close to 1), in eval mode."""
-    torch.manual_seed(seed)
+    """A small CNN trained to saturation on :func:`indexed_images` (p(y|x) close to 1), in eval mode.
+
+    Trained once per ``(seed, steps)`` in a session (the training is deterministic); later calls
+    get a fresh copy of those weights and leave the global random state as the training did, so a
+    test draws the same numbers after it either way.
+    """
+    key = (seed, steps)
+    if key not in _CONFIDENT:
+        torch.manual_seed(seed)
+        net = small_cnn()
+        data = indexed_images(96, seed=seed)
+        x = torch.stack([data[i][0] for i in range(len(data))])
+        y = torch.stack([data[i][1] for i in range(len(data))])
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        _CONFIDENT[key] = (copy.deepcopy(net.state_dict()), torch.get_rng_state())
+    weights, rng_state = _CONFIDENT[key]
     net = small_cnn()
-    data = indexed_images(96, seed=seed)
-    x = torch.stack([data[i][0] for i in range(len(data))])
-    y = torch.stack([data[i][1] for i in range(len(data))])
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(steps):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
+    net.load_state_dict(weights)
+    torch.set_rng_state(rng_state)
     net.eval()
     return net
 

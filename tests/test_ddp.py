@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from lpa3_lightning import TimeConsistency
-from lpa3_lightning.distributed import bytes_per_sample, deduplicate_first, gather_predictions
-from tests.ddp.run_ddp import EPOCHS, N, N_PADDED, PER_RANK_BATCH, no_bn_net
+from lpa3_lightning.core.distributed import bytes_per_sample, deduplicate_first, gather_predictions
+from tests.ddp.run_ddp import EPOCHS, N_PADDED, PER_RANK_BATCH, N, no_bn_net
 from tests.helpers import indexed_images
 
 SCRIPT = Path(__file__).resolve().parent / "ddp" / "run_ddp.py"

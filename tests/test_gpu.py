@@ -40,7 +40,7 @@ def _callback(device: str, **kwargs) -> LPA3Callback:
 def _remeasured_drop(model, x, x_adv, y, twin_bn: bool = False) -> torch.Tensor:
     """``independent_logp_drop`` in full float32: with TF32 (cuDNN's default) rows that the
     bisection left just under sigma can read above it by TF32 rounding alone."""
-    from lpa3_lightning.attack import full_float32
+    from lpa3_lightning.core.solver_forward import full_float32
 
     with full_float32(x.device):
         return independent_logp_drop(model, x, x_adv, y, twin_bn=twin_bn)
@@ -189,7 +189,7 @@ def test_sync_free_attack_makes_no_synchronisation_and_matches_the_default_path(
     x = torch.rand(48, 1, 28, 28, device="cuda") * 2 - 1
     y = torch.randint(0, 2, (48,), device="cuda")
     before = snapshot(model)
-    from lpa3_lightning.attack import resolve_input_range
+    from lpa3_lightning.core.input_box import resolve_input_range
 
     # the bounds as device tensors: built from Python numbers at each call they would be a copy (a sync)
     kwargs = dict(input_range=resolve_input_range((-1.0, 1.0), x), max_step=None, return_stats=True)
@@ -273,8 +273,8 @@ def test_graphed_solve_replays_the_eager_padded_solve_without_a_synchronisation(
     """Captured once per bucket, replayed on new data: the x' of the same padded solve run eagerly
     (SolverGraphs(capture=False)), no synchronisation during a replay, the attack's invariants, and
     the constraint re-measured independently on every returned row."""
-    from lpa3_lightning.attack import resolve_input_range
-    from lpa3_lightning.dual_bn import convert_dual_bn
+    from lpa3_lightning.core.dual_bn import convert_dual_bn
+    from lpa3_lightning.core.input_box import resolve_input_range
 
     torch.manual_seed(0)
     model = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=False).model.cuda().train()

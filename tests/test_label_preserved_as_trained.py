@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lpa3_lightning import LPA3Callback
-from lpa3_lightning.dual_bn import convert_dual_bn
+from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import SupervisedLPA3Mixin
 from tests.helpers import indexed_images, reference_model
 
@@ -74,7 +74,7 @@ class Recorder(SupervisedLPA3Mixin, pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-def _label_logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def label_logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(logits.float(), dim=1).gather(1, y[:, None]).squeeze(1)
 
 
@@ -84,12 +84,12 @@ def independent_shares(records: list[dict[str, Any]], twin_bn: bool) -> tuple[fl
     for r in records:
         ref = reference_model(r["model"], r["x"], twin_bn)
         with torch.no_grad():
-            logp_x = _label_logp(ref(r["x"].float()), r["y"])
+            logp_x = label_logp(ref(r["x"].float()), r["y"])
             logits_ref_adv = ref(r["x_adv"].float())
             deployed = copy.deepcopy(r["model"]).eval()  # main BN on running statistics
-            logp_x_eval = _label_logp(deployed(r["x"].float()), r["y"])
-            logp_adv_eval = _label_logp(deployed(r["x_adv"].float()), r["y"])
-        logp_adv_trained = _label_logp(r["logits_aug"], r["y"])
+            logp_x_eval = label_logp(deployed(r["x"].float()), r["y"])
+            logp_adv_eval = label_logp(deployed(r["x_adv"].float()), r["y"])
+        logp_adv_trained = label_logp(r["logits_aug"], r["y"])
         kept += int((logp_adv_trained >= logp_x - SIGMA).sum())
         kept_eval += int((logp_adv_eval >= logp_x_eval - SIGMA).sum())
         total += len(r["y"])
@@ -117,7 +117,7 @@ def test_constraint_holds_in_the_training_forward(tmp_path, twin_bn, precision):
                    precision=precision)
     assert len(module.records) >= 4
     with torch.no_grad():  # trained enough to be confident (the deployed model on the clean samples)
-        confidence = torch.cat([_label_logp(copy.deepcopy(r["model"]).eval()(r["x"]), r["y"]).exp()
+        confidence = torch.cat([label_logp(copy.deepcopy(r["model"]).eval()(r["x"]), r["y"]).exp()
                                 for r in module.records]).mean()
     assert confidence > 0.9
     kept, kept_eval, mismatch = independent_shares(module.records, twin_bn)

@@ -9,7 +9,12 @@ the module's loss -> :mod:`.memory_stage` (the TCS update); :mod:`.logging_stage
 from lpa3_lightning.callback.augment_stage import batch_noise_seed
 from lpa3_lightning.callback.lpa3_callback import LPA3Callback
 from lpa3_lightning.callback.settings import (
-    PRESETS, CacheSettings, LoggingSettings, RuntimeSettings, SelectionSettings, SolverSettings,
+    PRESETS,
+    CacheSettings,
+    LoggingSettings,
+    RuntimeSettings,
+    SelectionSettings,
+    SolverSettings,
 )
 
 __all__ = ["CacheSettings", "LPA3Callback", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings",

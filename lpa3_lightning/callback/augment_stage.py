@@ -15,16 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lpa3_lightning.attack import InputRange, label_log_prob, lpa3_attack, parameter_dtype, resolve_input_range
-from lpa3_lightning.augmented import AugmentedBatch, LPA3Request, selected_positions
-from lpa3_lightning.augmented_forward import running_statistics
-from lpa3_lightning.batch_plan import assemble_inputs, plan_rows
-from lpa3_lightning.cache import AugmentationCache
 from lpa3_lightning.callback.selection_stage import Selection
 from lpa3_lightning.callback.settings import SolverSettings
-from lpa3_lightning.dual_bn import has_dual_bn
-from lpa3_lightning.features import eval_mode, resolve_layers, unwrap_compiled
-from lpa3_lightning.solver_graphs import SolverGraphs
+from lpa3_lightning.core.attack import lpa3_attack
+from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request, selected_positions
+from lpa3_lightning.core.augmented_forward import running_statistics
+from lpa3_lightning.core.batch_plan import assemble_inputs, plan_rows
+from lpa3_lightning.core.cache import AugmentationCache
+from lpa3_lightning.core.dual_bn import has_dual_bn
+from lpa3_lightning.core.feature_layers import resolve_layers
+from lpa3_lightning.core.input_box import InputRange, resolve_input_range
+from lpa3_lightning.core.model_outputs import eval_mode, unwrap_compiled
+from lpa3_lightning.core.solver_forward import label_log_prob, parameter_dtype
+from lpa3_lightning.core.solver_graphs import SolverGraphs
 
 __all__ = ["Augmenter", "NewRows", "batch_noise_seed"]
 

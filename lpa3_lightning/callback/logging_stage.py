@@ -14,11 +14,11 @@ from torch import Tensor
 from torch.utils.data import default_collate
 from torchmetrics import SumMetric
 
-from lpa3_lightning.augmented import AugmentedBatch
 from lpa3_lightning.callback.augment_stage import Augmenter
-from lpa3_lightning.features import unwrap_compiled
-from lpa3_lightning.metrics import NanIgnoringMean
-from lpa3_lightning.visualize import comparison_grid
+from lpa3_lightning.callback.epoch_mean import NanIgnoringMean
+from lpa3_lightning.core.augmented import AugmentedBatch
+from lpa3_lightning.core.model_outputs import unwrap_compiled
+from lpa3_lightning.core.visualize import comparison_grid
 
 __all__ = ["EPOCH_MEANS", "EpochLog", "log_grid"]
 

@@ -15,20 +15,30 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lpa3_lightning.attack import InputRange, check_solver_arguments
-from lpa3_lightning.augmented import AugmentedBatch
 from lpa3_lightning.callback.module_checks import (
-    check_module, check_synced_batchnorm, infer_num_samples, input_range_of,
+    check_module,
+    check_synced_batchnorm,
+    infer_num_samples,
+    input_range_of,
 )
+from lpa3_lightning.callback.networks import NetworkView, module_networks
 from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
-    CacheSettings, LoggingSettings, RuntimeSettings, SelectionSettings, SolverSettings, moved_setting, preset_groups,
+    CacheSettings,
+    LoggingSettings,
+    RuntimeSettings,
+    SelectionSettings,
+    SolverSettings,
+    moved_setting,
+    preset_groups,
 )
-from lpa3_lightning.distributed import all_equal
-from lpa3_lightning.dual_bn import anchor_twin_parameters
-from lpa3_lightning.features import unwrap_compiled
-from lpa3_lightning.networks import NetworkView, module_networks
-from lpa3_lightning.selection import check_ratio
+from lpa3_lightning.core.attack import check_solver_arguments
+from lpa3_lightning.core.augmented import AugmentedBatch
+from lpa3_lightning.core.distributed import all_equal
+from lpa3_lightning.core.dual_bn import anchor_twin_parameters
+from lpa3_lightning.core.input_box import InputRange
+from lpa3_lightning.core.model_outputs import unwrap_compiled
+from lpa3_lightning.core.selection import check_ratio
 
 __all__ = ["LPA3Callback"]
 
@@ -43,7 +53,7 @@ class LPA3Callback(Callback):
     On every training batch the callback asks the module for its inputs, labels and dataset
     indices (:class:`~lpa3_lightning.mixins.LPA3ModuleMixin`), selects the samples whose
     time-consistency score is below the threshold of the last pass, solves their hard positives
-    with :func:`~lpa3_lightning.attack.lpa3_attack` and hands them to the module before
+    with :func:`~lpa3_lightning.core.attack.lpa3_attack` and hands them to the module before
     ``training_step``. After the step it updates the TCS memory from the clean logits the module
     recorded; after each epoch it refreshes the threshold.
 

@@ -6,8 +6,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lpa3_lightning.distributed import gather_predictions
-from lpa3_lightning.tcs import TimeConsistency
+from lpa3_lightning.core.distributed import gather_predictions
+from lpa3_lightning.core.tcs import TimeConsistency
 
 __all__ = ["MemoryFeed"]
 

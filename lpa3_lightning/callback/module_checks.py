@@ -10,10 +10,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lpa3_lightning.attack import InputRange
-from lpa3_lightning.dual_bn import DualSyncBatchNorm, has_dual_bn
-from lpa3_lightning.features import resolve_layers, unwrap_compiled
-from lpa3_lightning.mixins.base import REQUIRED_METHODS
+from lpa3_lightning.core.dual_bn import DualSyncBatchNorm, has_dual_bn
+from lpa3_lightning.core.feature_layers import resolve_layers
+from lpa3_lightning.core.input_box import InputRange
+from lpa3_lightning.core.model_outputs import unwrap_compiled
+from lpa3_lightning.methods.base import REQUIRED_METHODS
 
 __all__ = ["check_module", "check_synced_batchnorm", "infer_num_samples", "input_range_of"]
 

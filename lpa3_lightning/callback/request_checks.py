@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lpa3_lightning.augmented import LPA3Request
-from lpa3_lightning.checks import check_class_labels, check_dataset_indices, count_out_of_range
-from lpa3_lightning.distributed import any_rank_failed
+from lpa3_lightning.core.augmented import LPA3Request
+from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices, count_out_of_range
+from lpa3_lightning.core.distributed import any_rank_failed
 
 __all__ = ["bad_value_counts", "check_request", "raise_bad_values", "raise_together"]
 

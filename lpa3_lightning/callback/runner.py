@@ -14,15 +14,15 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lpa3_lightning.attack import InputRange
-from lpa3_lightning.cache import AugmentationCache
 from lpa3_lightning.callback.augment_stage import Augmenter, NewRows
 from lpa3_lightning.callback.logging_stage import EPOCH_MEANS, EpochLog, log_grid
 from lpa3_lightning.callback.memory_stage import MemoryFeed
 from lpa3_lightning.callback.request_checks import bad_value_counts, check_request, raise_bad_values, raise_together
 from lpa3_lightning.callback.selection_stage import select
-from lpa3_lightning.distributed import gather_rows
-from lpa3_lightning.tcs import TimeConsistency
+from lpa3_lightning.core.cache import AugmentationCache
+from lpa3_lightning.core.distributed import gather_rows
+from lpa3_lightning.core.input_box import InputRange
+from lpa3_lightning.core.tcs import TimeConsistency
 
 __all__ = ["NetworkRunner"]
 

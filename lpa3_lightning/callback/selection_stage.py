@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lpa3_lightning.augmented import LPA3Request
 from lpa3_lightning.callback.request_checks import bad_value_counts, raise_bad_values
-from lpa3_lightning.tcs import TimeConsistency
+from lpa3_lightning.core.augmented import LPA3Request
+from lpa3_lightning.core.tcs import TimeConsistency
 
 __all__ = ["Selection", "select"]
 

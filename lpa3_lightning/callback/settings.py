@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-from lpa3_lightning.attack import MaxStep, check_max_step
-from lpa3_lightning.cache import DEFAULT_MAX_BYTES
-from lpa3_lightning.selection import check_initial_selection, check_threshold_rule
+from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
+from lpa3_lightning.core.input_box import MaxStep, check_max_step
+from lpa3_lightning.core.selection import check_initial_selection, check_threshold_rule
 
 __all__ = ["CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
            "moved_setting", "preset_groups"]
@@ -44,7 +44,7 @@ def _check_int(group: str, name: str, value: Any, low: int, fix: str) -> None:
 
 @dataclass(frozen=True)
 class SolverSettings:
-    """How each hard positive is solved (:func:`~lpa3_lightning.attack.lpa3_attack`).
+    """How each hard positive is solved (:func:`~lpa3_lightning.core.attack.lpa3_attack`).
 
     Attributes:
         lam: the Lagrange multiplier's scale (the authors: 1).
@@ -87,7 +87,7 @@ class SolverSettings:
 
 @dataclass(frozen=True)
 class SelectionSettings:
-    """Which samples get a hard positive (:class:`~lpa3_lightning.tcs.TimeConsistency`).
+    """Which samples get a hard positive (:class:`~lpa3_lightning.core.tcs.TimeConsistency`).
 
     Attributes:
         num_samples: the training set's size (the TCS memory's rows); None infers it from the

@@ -22,14 +22,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.label_split import check_int
+from lpa3_lightning.data.semi_supervised import SEMI_SUPERVISED_SOURCES, SemiSupervisedDataModule
 from lpa3_lightning.data.split_batches import SplitBalancedSampler
+from lpa3_lightning.data.ssl_datasets import ImageArrays, dataset_position
 from lpa3_lightning.data.ssl_transforms import PADDING_MODES
-from lpa3_lightning.data.semi_supervised import (
-    SEMI_SUPERVISED_SOURCES,
-    SemiSupervisedDataModule,
-    _ImageArrays,
-    _position,
-)
 
 __all__ = ["NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset"]
 
@@ -40,7 +36,7 @@ NOISY_LABEL_SOURCES: tuple[str, ...] = tuple(s for s in SEMI_SUPERVISED_SOURCES 
 class TwoViewNoisyDataset(Dataset):
     """``(view1, view2, noisy_label, index)``: two independent draws of ``transform`` of each image."""
 
-    def __init__(self, base: _ImageArrays, labels: np.ndarray, transform: Callable[[Any], Any]) -> None:
+    def __init__(self, base: ImageArrays, labels: np.ndarray, transform: Callable[[Any], Any]) -> None:
         if len(labels) != len(base):
             raise ValueError(f"{len(labels)} noisy labels for {len(base)} images.")
         self.base = base
@@ -51,7 +47,7 @@ class TwoViewNoisyDataset(Dataset):
         return len(self.base)
 
     def __getitem__(self, index: Any) -> tuple[Any, Any, torch.Tensor, int]:
-        position = _position(index, len(self), "noisy-label data set")
+        position = dataset_position(index, len(self), "noisy-label data set")
         image, _ = self.base[position]  # the clean label is dropped here
         return self.transform(image), self.transform(image), self.labels[position], position
 
@@ -187,7 +183,7 @@ class NoisyLabelDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Builds the noisy training set (``"fit"``/None) and the clean val/test splits."""
         if stage in (None, "fit") and self.train_dataset is None:
-            base = _ImageArrays(self._images._split_arrays("train"))
+            base = ImageArrays(self._images._split_arrays("train"))
             clean = base.labels
             self.clean_train_labels = clean
             self.noisy_train_labels = self._draw_or_read(clean)

@@ -21,23 +21,19 @@ Written from the FixMatch paper's description, not from its code.
 from __future__ import annotations
 
 import math
-import operator
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from medmnist.info import INFO
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from lpa3_lightning.data.indexed import IndexedDataset, to_class_label
+from lpa3_lightning.data.indexed import IndexedDataset
 from lpa3_lightning.data.label_split import (
     check_int,
     check_num_labels,
@@ -45,268 +41,33 @@ from lpa3_lightning.data.label_split import (
     save_label_split,
     stratified_label_split,
 )
-from lpa3_lightning.data.ssl_transforms import (
-    STRONG_AUGMENTS, Cutout, FixMatchRandAugment, eval_transform, strong_transform, weak_transform,
+from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
+from lpa3_lightning.data.ssl_datasets import (
+    MNIST5K_SPLIT_SEED,
+    ImageArrays,
+    LabeledDataset,
+    RandomStream,
+    UnlabeledDataset,
+    load_mnist5k,
 )
-from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, SUPPORTED_FLAGS, MedMNISTDataModule
+from lpa3_lightning.data.ssl_sources import (
+    SEMI_SUPERVISED_SOURCES,
+    TORCHVISION_SOURCES,
+    download_torchvision,
+    source_facts,
+    torchvision_arrays,
+    validate_source,
+)
+from lpa3_lightning.data.ssl_transforms import (
+    STRONG_AUGMENTS,
+    eval_transform,
+    strong_transform,
+    weak_transform,
+)
 
-__all__ = [
-    "Cutout",
-    "FixMatchRandAugment",
-    "LabeledDataset",
-    "MNIST5K_SPLIT_SEED",
-    "SEMI_SUPERVISED_SOURCES",
-    "SemiSupervisedDataModule",
-    "UnlabeledDataset",
-    "eval_transform",
-    "load_label_split",
-    "load_mnist5k",
-    "save_label_split",
-    "stratified_label_split",
-    "strong_transform",
-    "weak_transform",
-]
-
-#: Seed of the fixed stratified 4,000 / 1,000 train / test split of MNIST-5k (it has no
-#: official split). Independent of the label-split seed, so every run tests on the same images.
-MNIST5K_SPLIT_SEED = 0
-_MNIST5K_FILE = "mnist5k.npz"
-_MNIST5K_MD5 = "11def57eb666ead6d8efa9a9ff9c2218"
-_MNIST5K_TEST_PER_CLASS = 100
-
-_TORCHVISION_SOURCES = ("cifar10", "cifar100", "stl10")
-
-#: Every ``source`` :class:`SemiSupervisedDataModule` accepts.
-SEMI_SUPERVISED_SOURCES: tuple[str, ...] = ("mnist5k", *_TORCHVISION_SOURCES, *SUPPORTED_FLAGS)
-
-# Static facts per source, known before any file is read: classes, channels, side, size of
-# the training set (= the unlabeled set), per-channel mean/std of [0, 1] pixels.
-_SOURCE_FACTS: dict[str, dict[str, Any]] = {
-    # mean/std measured on the 5,000 images of mnist5k.npz.
-    "mnist5k": {"num_classes": 10, "in_channels": 1, "image_size": 28, "num_train": 4000,
-                "mean": (0.1313,), "std": (0.3086,), "flip": False},
-    # The LP-A3 authors' constants, the same in their FixMatch, PES and DivideMix code
-    # (CausalLearning/LPA3 FixMatch/dataset/make_data.py lines 16-21; PES/PES_LPA3.py line 368;
-    # LiJunnan1992/DivideMix dataloader_cifar.py line 149). CIFAR-10's std is the widely copied
-    # (0.2023, 0.1994, 0.2010), not the data's (0.2470, 0.2435, 0.2616): the model sees the
-    # same inputs as in their runs, and LP-A3's input box follows.
-    "cifar10": {"num_classes": 10, "in_channels": 3, "image_size": 32, "num_train": 50000,
-                "mean": (0.4914, 0.4822, 0.4465), "std": (0.2023, 0.1994, 0.2010), "flip": True},
-    "cifar100": {"num_classes": 100, "in_channels": 3, "image_size": 32, "num_train": 50000,
-                 "mean": (0.5071, 0.4867, 0.4408), "std": (0.2675, 0.2565, 0.2761), "flip": True},
-    # train (5,000 labeled) + unlabeled (100,000) images, as in FixMatch.
-    "stl10": {"num_classes": 10, "in_channels": 3, "image_size": 96, "num_train": 105000,
-              "mean": (0.4408, 0.4279, 0.3867), "std": (0.2682, 0.2610, 0.2686), "flip": True},
-}
+__all__ = ["MNIST5K_SPLIT_SEED", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule"]
 
 
-
-
-
-# ----------------------------------------------------------------------------------------
-# Data sets
-# ----------------------------------------------------------------------------------------
-def _position(index: Any, size: int, owner: str) -> int:
-    try:
-        position = operator.index(index)
-    except TypeError:
-        raise TypeError(f"{owner} indices must be integers, got {type(index).__name__}.") from None
-    if position < 0:
-        position += size
-    if not 0 <= position < size:
-        raise IndexError(f"index {index} is out of range for a {owner} of size {size}")
-    return position
-
-
-class _ImageArrays(Dataset):
-    """``(image, label)`` pairs from uint8 image arrays, as PIL images (``L`` or ``RGB``).
-
-    ``parts`` are ``(images, labels)`` pairs concatenated in order (STL-10's train and
-    unlabeled splits); images are ``(N, H, W)`` or ``(N, H, W, C)``, labels ``(N,)`` with -1
-    for an image without a label. ``transform`` (optional) is applied to the PIL image.
-    """
-
-    def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray]],
-                 transform: Callable[[Any], Any] | None = None) -> None:
-        self.parts = [(images, np.asarray(labels, dtype=np.int64).reshape(-1)) for images, labels in parts]
-        for images, labels in self.parts:
-            if len(images) != len(labels):
-                raise ValueError(f"{len(images)} images but {len(labels)} labels.")
-        self.offsets = np.cumsum([0] + [len(labels) for _, labels in self.parts])
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    @property
-    def labels(self) -> np.ndarray:
-        """All labels in order (-1 for unlabeled images)."""
-        return np.concatenate([labels for _, labels in self.parts])
-
-    def __getitem__(self, index: Any) -> tuple[Any, int]:
-        position = _position(index, len(self), "data set")
-        part = int(np.searchsorted(self.offsets, position, side="right")) - 1
-        images, labels = self.parts[part]
-        pixels = np.ascontiguousarray(images[position - self.offsets[part]])
-        if pixels.ndim == 3 and pixels.shape[-1] == 1:
-            pixels = pixels[..., 0]
-        img = Image.fromarray(pixels)
-        return (self.transform(img) if self.transform is not None else img), int(labels[position - self.offsets[part]])
-
-
-class LabeledDataset(Dataset):
-    """The labeled subset: ``(x, y, index)`` with ``x = transform(image)`` and ``index`` in the whole set.
-
-    Args:
-        base: map-style data set of ``(image, label)`` pairs, the whole training set (PIL
-            images when ``transform`` is one of this module's).
-        indices: positions in ``base`` of the labeled samples.
-        transform: view of the image; FixMatch's labeled batch uses the weak view.
-
-    Example:
-        >>> base = [(Image.new("L", (28, 28)), k % 2) for k in range(6)]
-        >>> ds = LabeledDataset(base, [1, 4], eval_transform([0.5], [0.5]))
-        >>> x, y, i = ds[1]
-        >>> tuple(x.shape), int(y), i
-        ((1, 28, 28), 0, 4)
-    """
-
-    def __init__(self, base: Any, indices: np.ndarray | Sequence[int],
-                 transform: Callable[[Any], Any] | None = None) -> None:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= len(base)):
-            raise ValueError(f"`indices` must lie in [0, {len(base)}) (the size of `base`), got values in "
-                             f"[{idx.min()}, {idx.max()}]. Fix: pass positions in the training set.")
-        self.base = base
-        self.indices = idx
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: Any) -> tuple[Any, torch.Tensor, int]:
-        j = int(self.indices[_position(index, len(self), "LabeledDataset")])
-        image, label = self.base[j]
-        return (self.transform(image) if self.transform is not None else image), to_class_label(label), j
-
-
-class UnlabeledDataset(Dataset):
-    """The unlabeled stream: ``(x_weak, x_strong, index)``, two views of one image, its label dropped.
-
-    Args:
-        base: map-style data set of ``(image, label)`` pairs (the label is ignored).
-        weak: weak view (:func:`weak_transform`).
-        strong: strong view (:func:`strong_transform`).
-
-    Example:
-        >>> base = [(Image.new("L", (28, 28)), -1)] * 3
-        >>> norm = ([0.5], [0.5])
-        >>> xw, xs, i = UnlabeledDataset(base, weak_transform(*norm, 28), strong_transform(*norm, 28))[2]
-        >>> tuple(xw.shape), tuple(xs.shape), i
-        ((1, 28, 28), (1, 28, 28), 2)
-    """
-
-    def __init__(self, base: Any, weak: Callable[[Any], Any], strong: Callable[[Any], Any]) -> None:
-        self.base = base
-        self.weak = weak
-        self.strong = strong
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, index: Any) -> tuple[Any, Any, int]:
-        position = _position(index, len(self), "UnlabeledDataset")
-        image, _ = self.base[position]
-        return self.weak(image), self.strong(image), position
-
-
-# ----------------------------------------------------------------------------------------
-# Sources
-# ----------------------------------------------------------------------------------------
-def load_mnist5k(root: str | os.PathLike | None = None) -> dict[str, np.ndarray]:
-    """MNIST-5k with its fixed stratified train / test split (4,000 / 1,000 images).
-
-    ``mnist5k.npz`` (embedded in the package; see ``data/embedded/README.md``) holds 5,000
-    MNIST digits, 500 per class, without an official split. The test set is 100 images of
-    every class drawn by :func:`stratified_label_split` with seed :data:`MNIST5K_SPLIT_SEED`;
-    the training set is the other 4,000 in file order.
-
-    Args:
-        root: folder holding ``mnist5k.npz``; None for the embedded copy.
-
-    Returns:
-        ``train_images`` ``(4000, 28, 28)`` uint8, ``train_labels`` ``(4000,)`` int64,
-        ``test_images``, ``test_labels`` (1,000), and ``train_file_indices`` /
-        ``test_file_indices``: the positions of each split's images in the file.
-
-    Raises:
-        FileNotFoundError: if the file is missing (the message names the path and the fix).
-
-    Example:
-        >>> d = load_mnist5k()
-        >>> d["train_images"].shape, d["test_images"].shape
-        ((4000, 28, 28), (1000, 28, 28))
-    """
-    path = (Path(root).expanduser() if root is not None else EMBEDDED_DATA_DIR) / _MNIST5K_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"MNIST-5k file not found: {path}. It cannot be downloaded. Fix: pass root=None to use the copy "
-            f"embedded in the package, or root= a folder holding {_MNIST5K_FILE} (MD5 {_MNIST5K_MD5})."
-        )
-    with np.load(path) as data:
-        if "images" not in data.files or "labels" not in data.files:
-            raise ValueError(f"{path} lacks the arrays 'images' and 'labels' (has {data.files}). Fix: use the "
-                             f"original {_MNIST5K_FILE} (MD5 {_MNIST5K_MD5}).")
-        images, labels = data["images"], data["labels"].astype(np.int64).reshape(-1)
-    if images.shape[1:] != (28, 28) or images.dtype != np.uint8 or len(images) != len(labels):
-        raise ValueError(f"{path} must hold uint8 images (N, 28, 28) and N labels, got {images.dtype} "
-                         f"{images.shape} and {labels.shape}. Fix: use the original {_MNIST5K_FILE}.")
-    test = stratified_label_split(labels, _MNIST5K_TEST_PER_CLASS * 10, 10, MNIST5K_SPLIT_SEED)
-    train = np.setdiff1d(np.arange(len(labels)), test)
-    return {"train_images": images[train], "train_labels": labels[train], "test_images": images[test],
-            "test_labels": labels[test], "train_file_indices": train, "test_file_indices": test}
-
-
-def _torchvision_class(source: str) -> type:
-    from torchvision import datasets
-    return {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100, "stl10": datasets.STL10}[source]
-
-
-def _torchvision_missing(source: str, root: Path) -> list[Path]:
-    cls = _torchvision_class(source)
-    folder = root / cls.base_folder
-    return [folder / name for name, _ in (*cls.train_list, *cls.test_list) if not (folder / name).is_file()]
-
-
-def _torchvision_not_found(source: str, root: Path, missing: list[Path]) -> FileNotFoundError:
-    cls = _torchvision_class(source)
-    more = f" (and {len(missing) - 1} more file(s) there)" if len(missing) > 1 else ""
-    return FileNotFoundError(
-        f"{source} file not found: {missing[0]}{more}. Fix: pass download=True on a machine with internet access "
-        f"(it fetches {cls.url} into {root}), or extract {cls.filename} into {root} so that "
-        f"{root / cls.base_folder} holds the files."
-    )
-
-
-class RandomStream(Sampler[int]):
-    """``num_samples`` random indices of a data set of ``size`` items (back-to-back
-    permutations, or draws with replacement).
-
-    A plain ``Sampler`` on purpose: under DDP Lightning replaces a ``RandomSampler`` with a
-    ``DistributedSampler`` over the data set (dropping ``num_samples`` and ``replacement``, so
-    a few labels would give a rank no labeled batch at all), but splits any other sampler's
-    stream across the processes (``DistributedSamplerWrapper``), which keeps both streams of
-    equal length on every rank.
-    """
-
-    def __init__(self, size: int, num_samples: int, replacement: bool = False) -> None:
-        self.inner = RandomSampler(range(size), replacement=replacement, num_samples=num_samples)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.inner)
-
-    def __len__(self) -> int:
-        return len(self.inner)
 
 
 class SemiSupervisedDataModule(pl.LightningDataModule):
@@ -406,7 +167,7 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         if strong_augment not in STRONG_AUGMENTS:
             raise ValueError(f"`strong_augment` must be one of {STRONG_AUGMENTS}, got {strong_augment!r}. Fix: use "
                              "'fixmatch' (FixMatch's RandAugment and 16 px Cutout, the reference) or 'torchvision'.")
-        if source in _TORCHVISION_SOURCES and root is None:
+        if source in TORCHVISION_SOURCES and root is None:
             raise ValueError(f"`root` is required for source={source!r}: only mnist5k and breastmnist ship with the "
                              f"package. Fix: pass root=<folder for the {source} files> (download=True fetches them).")
         if root is not None and not isinstance(root, (str, os.PathLike)):
@@ -446,7 +207,7 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         self._root_is_embedded = root is None
         self._source_facts = facts
 
-        self.train_base: _ImageArrays | None = None
+        self.train_base: ImageArrays | None = None
         self.labeled_dataset: LabeledDataset | None = None
         self.unlabeled_dataset: UnlabeledDataset | None = None
         self.val_dataset: IndexedDataset | None = None
@@ -460,21 +221,11 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------
     @staticmethod
     def _validate_source(source: Any) -> None:
-        if isinstance(source, str) and source in INFO and source not in SUPPORTED_FLAGS:
-            MedMNISTDataModule._validate_flag(source)  # its message says why (3D / multi-label)
-        if not isinstance(source, str) or source not in SEMI_SUPERVISED_SOURCES:
-            raise ValueError(f"Unknown `source` {source!r}. Fix: pass one of {', '.join(SEMI_SUPERVISED_SOURCES)}.")
+        validate_source(source)
 
     @staticmethod
     def _facts(source: str) -> dict[str, Any]:
-        if source in _SOURCE_FACTS:
-            return _SOURCE_FACTS[source]
-        info = INFO[source]
-        channels = int(info["n_channels"])
-        sided = any(side in name for name in info["label"].values() for side in ("left", "right"))
-        return {"num_classes": len(info["label"]), "in_channels": channels, "image_size": 28,
-                "num_train": int(info["n_samples"]["train"]), "mean": (0.5,) * channels, "std": (0.5,) * channels,
-                "flip": not sided}
+        return source_facts(source)
 
     @property
     def num_classes(self) -> int:
@@ -547,24 +298,10 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         """Downloads missing files when ``download=True`` (one process per node, before ``setup``)."""
         if not self.download or self.source == "mnist5k":
             return
-        if self.source not in _TORCHVISION_SOURCES:
+        if self.source not in TORCHVISION_SOURCES:
             self._medmnist().prepare_data()
-            return
-        if not _torchvision_missing(self.source, self.root):
-            return
-        cls = _torchvision_class(self.source)
-        self.root.mkdir(parents=True, exist_ok=True)
-        try:
-            if self.source == "stl10":
-                cls(os.fspath(self.root), split="train", download=True)
-            else:
-                cls(os.fspath(self.root), train=True, download=True)
-        except Exception as err:  # network errors come in many types
-            raise RuntimeError(
-                f"Downloading {self.source} from {cls.url} into {self.root} failed ({type(err).__name__}: {err}). "
-                f"Fix: on a machine without internet access, download {cls.filename} elsewhere and extract it into "
-                f"{self.root}, then pass download=False."
-            ) from err
+        else:
+            download_torchvision(self.source, self.root)
 
     def _split_arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(images, labels)`` parts of ``split`` ("train", "val" or "test"), images HW or HWC uint8."""
@@ -574,38 +311,14 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             data = load_mnist5k(None if self._root_is_embedded else self.root)
             self._arrays["train"] = [(data["train_images"], data["train_labels"])]
             self._arrays["test"] = [(data["test_images"], data["test_labels"])]
-        elif self.source in _TORCHVISION_SOURCES:
-            self._arrays[split] = self._torchvision_arrays(split)
+        elif self.source in TORCHVISION_SOURCES:
+            self._arrays[split] = torchvision_arrays(self.source, self.root, split, self.download)
         else:
             dm = self._medmnist()
             dm._ensure_file()  # names the path and the fix when the file is missing
             with np.load(dm.data_file) as data:
                 self._arrays[split] = [(data[f"{split}_images"], data[f"{split}_labels"].reshape(-1))]
         return self._arrays[split]
-
-    def _torchvision_arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
-        missing = _torchvision_missing(self.source, self.root)
-        if missing and self.download:
-            self.prepare_data()
-            missing = _torchvision_missing(self.source, self.root)
-        if missing:
-            raise _torchvision_not_found(self.source, self.root, missing)
-        cls = _torchvision_class(self.source)
-        try:
-            if self.source == "stl10":
-                names = ("train", "unlabeled") if split == "train" else ("test",)
-                parts = []
-                for name in names:
-                    ds = cls(os.fspath(self.root), split=name, download=False)
-                    parts.append((ds.data.transpose(0, 2, 3, 1), np.asarray(ds.labels, dtype=np.int64)))
-                return parts
-            ds = cls(os.fspath(self.root), train=split == "train", download=False)
-        except RuntimeError as err:
-            raise FileNotFoundError(
-                f"{self.source} files in {self.root / cls.base_folder} are damaged ({err}). Fix: delete that folder "
-                f"and pass download=True, or extract a fresh {cls.filename} into {self.root}."
-            ) from err
-        return [(ds.data, np.asarray(ds.targets, dtype=np.int64))]
 
     # ------------------------------------------------------------------
     # Lightning hooks
@@ -625,13 +338,13 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         if stage in (None, "fit") and self.unlabeled_dataset is None:
             self._setup_train()
         if stage in (None, "fit", "validate") and self.val_dataset is None:
-            val_split = "test" if self.source == "mnist5k" or self.source in _TORCHVISION_SOURCES else "val"
-            self.val_dataset = IndexedDataset(_ImageArrays(self._split_arrays(val_split), self.eval_transform()))
+            val_split = "test" if self.source == "mnist5k" or self.source in TORCHVISION_SOURCES else "val"
+            self.val_dataset = IndexedDataset(ImageArrays(self._split_arrays(val_split), self.eval_transform()))
         if stage in (None, "test", "predict") and self.test_dataset is None:
-            self.test_dataset = IndexedDataset(_ImageArrays(self._split_arrays("test"), self.eval_transform()))
+            self.test_dataset = IndexedDataset(ImageArrays(self._split_arrays("test"), self.eval_transform()))
 
     def _setup_train(self) -> None:
-        base = _ImageArrays(self._split_arrays("train"))
+        base = ImageArrays(self._split_arrays("train"))
         size = len(base)
         unlabeled_batch = self.mu * self.batch_size
         if unlabeled_batch > size:

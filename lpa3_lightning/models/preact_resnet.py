@@ -17,7 +17,7 @@ Four stages of two blocks with widths 64, 128, 256, 512 and strides 1, 2, 2, 2. 
 checks the layer order and the parameter count against a transcription of the reference's
 structure. The stages are named ``layer1`` ... ``layer4`` (the default LP-A3 feature layers, as
 the authors' PES code uses the four stage outputs); every BatchNorm is an ``nn.BatchNorm2d``, so
-:func:`lpa3_lightning.dual_bn.convert_dual_bn` gives each a twin.
+:func:`lpa3_lightning.core.dual_bn.convert_dual_bn` gives each a twin.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The MedMNIST v2 benchmark (Yang et al., Scientific Data 2023) trains ResNets at 
 a CIFAR-style stem: a 3x3 stride-1 first convolution and no max-pooling, so the 28x28 input
 is not shrunk to 7x7 before the first stage. The rest is torchvision's ResNet unchanged,
 so the residual stages keep their names ``layer1`` ... ``layer4`` (the default LP-A3
-feature layers, :func:`lpa3_lightning.features.default_feature_layers`).
+feature layers, :func:`lpa3_lightning.core.feature_layers.default_feature_layers`).
 """
 
 from __future__ import annotations

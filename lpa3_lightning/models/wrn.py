@@ -21,7 +21,7 @@ The function is the one of the FixMatch code the LP-A3 authors built on (kekmode
   BatchNorms to (1, 0), the linear head Xavier-normal with zero bias.
 
 The stages are named ``block1``, ``block2``, ... : the default LP-A3 feature layers
-(:func:`lpa3_lightning.features.default_feature_layers`), as the authors use the stage outputs.
+(:func:`lpa3_lightning.core.feature_layers.default_feature_layers`), as the authors use the stage outputs.
 """
 
 from __future__ import annotations

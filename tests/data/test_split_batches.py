@@ -7,12 +7,12 @@ from collections import Counter
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import RandomSampler
 
 from lpa3_lightning import DivideMixClassifier, PESClassifier
 from lpa3_lightning.data import NoisyLabelDataModule
 from lpa3_lightning.data.split_batches import SplitBalancedSampler, labeled_per_batch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from torch.utils.data import RandomSampler
 
 
 @pytest.mark.parametrize(("labeled", "rule", "expected"), [

@@ -35,8 +35,8 @@ from lpa3_lightning import LPA3Callback, convert_dual_bn  # noqa: E402
 from lpa3_lightning.callback.request_checks import check_request  # noqa: E402
 from lpa3_lightning.callback.selection_stage import Selection, select  # noqa: E402
 from lpa3_lightning.mixins import LPA3ModuleMixin  # noqa: E402
+from tests.callback.test_callback import TinyClassifier  # noqa: E402
 from tests.helpers import indexed_images, small_cnn  # noqa: E402
-from tests.test_callback import TinyClassifier  # noqa: E402
 
 N, PER_RANK_BATCH, EPOCHS = 48, 8, 3
 N_PADDED = 49  # DistributedSampler pads to 50: one sample is seen twice an epoch
@@ -193,7 +193,7 @@ def _syncbn_run(out: Path, mode: str) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lpa3_lightning import DivideMixClassifier, PESClassifier
-    from tests.mixins.test_pes import NoisyTwoViews, _net
+    from tests.methods.test_pes import NoisyTwoViews, _net
 
     _count_synced_forwards()
     SYNCED_FORWARDS[0] = 0  # (several runs may share the process)
@@ -245,7 +245,7 @@ def main(out: Path, mode: str) -> None:
     pl.seed_everything(0)
     user = mode in ("user_module", "bad_index_rank1", "crash_rank1")
     if mode == "fixmatch":
-        from tests.mixins.test_fixmatch import UserFixMatch, _loaders
+        from tests.methods.test_fixmatch import UserFixMatch, _loaders
 
         module = UserFixMatch(num_unlabeled=64, confidence=0.4)
         callback = Recording(ratio=0.5, steps=2, seed=0, input_range=None)
@@ -259,7 +259,7 @@ def main(out: Path, mode: str) -> None:
         return
     if mode == "pes":
         from lpa3_lightning import PESClassifier
-        from tests.mixins.test_pes import NoisyTwoViews, _net
+        from tests.methods.test_pes import NoisyTwoViews, _net
 
         module = PESClassifier(num_classes=3, num_samples=N, model=_net(), early_epochs=1, refine_epochs=1,
                                lambda_u=5.0, rampup_epochs=1.0)
@@ -275,7 +275,7 @@ def main(out: Path, mode: str) -> None:
         return
     if mode in ("dividemix", "dividemix_stratified"):
         from lpa3_lightning import DivideMixClassifier
-        from tests.mixins.test_pes import NoisyTwoViews
+        from tests.methods.test_pes import NoisyTwoViews
 
         module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0,
                                      stratified_split=mode == "dividemix_stratified")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lpa3_lightning.features import default_feature_layers
+from lpa3_lightning.core.feature_layers import default_feature_layers
 from lpa3_lightning.models import medmnist_resnet, resnet18_medmnist, resnet50_medmnist
 
 

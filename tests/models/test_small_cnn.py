@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lpa3_lightning.dual_bn import DualBatchNorm2d, convert_dual_bn, has_dual_bn
-from lpa3_lightning.features import default_feature_layers
+from lpa3_lightning.core.dual_bn import DualBatchNorm2d, convert_dual_bn, has_dual_bn
+from lpa3_lightning.core.feature_layers import default_feature_layers
 from lpa3_lightning.models import SmallCNN, small_cnn
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lpa3_lightning.features import default_feature_layers
+from lpa3_lightning.core.feature_layers import default_feature_layers
 from lpa3_lightning.models import WideResNet, wrn28_2, wrn28_8, wrn37_2
 from tests.helpers import randomize_bn_statistics
 

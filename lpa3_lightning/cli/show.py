@@ -1,0 +1,169 @@
+"""``lpa3 show``: a PNG of x, x' and |x' - x| for a checkpoint of any of the ready modules.
+
+    lpa3 show --ckpt runs/.../last.ckpt --out lpa3_examples.png [--root DIR] [--split test]
+              [--num 8] [--seed 0] [--network net1] [--sigma S] [--steps N] [--max-step auto|none|L]
+              [--bn-mode auto|eval|twin]
+
+Rows: the first ``--num`` images of the split, their LP-A3 hard positives under the
+checkpoint's model, and the absolute difference stretched per image. Prints the per-image
+perceptual distance, the log-probability drop and whether the label was preserved.
+
+What training made, by default: the solver's settings (sigma, steps, step bound, BatchNorm
+mode, ...) are read from the checkpoint's ``LPA3Callback`` state, the data set and its
+normalisation from the checkpoint's data module, and the label preserved is the one training
+preserves (the true label for ``LPA3Classifier``; the model's prediction, standing in for the
+pseudo-label or the guess, for ``FixMatchClassifier``, ``PESClassifier`` and
+``DivideMixClassifier``). A flag overrides a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from lpa3_lightning.core.attack import lpa3_attack
+from lpa3_lightning.core.dual_bn import has_dual_bn
+from lpa3_lightning.core.input_box import check_max_step
+from lpa3_lightning.core.visualize import save_comparison_grid
+
+__all__ = ["main"]
+
+#: The solver's settings when the checkpoint holds none (an older checkpoint): LPA3Callback's defaults.
+CALLBACK_DEFAULTS: dict[str, Any] = {"sigma": 0.02, "steps": 5, "lam": 1.0, "temperature": 1.0, "max_step": "auto",
+                                     "attack_bn": "auto", "project": True, "fast": False, "allow_tf32": False,
+                                     "layers": None}
+
+
+def _module_class(checkpoint: dict[str, Any]) -> type:
+    """The ready module a checkpoint was written by, told by what its state and hparams hold."""
+    from lpa3_lightning import DivideMixClassifier, FixMatchClassifier, LPA3Classifier, PESClassifier
+
+    hparams = checkpoint.get("hyper_parameters", {})
+    if any(key.startswith("net1.") for key in checkpoint.get("state_dict", {})):
+        return DivideMixClassifier
+    if "early_epochs" in hparams:
+        return PESClassifier
+    if "lpa3_confidence_threshold" in hparams:
+        return FixMatchClassifier
+    return LPA3Classifier
+
+
+def _solver_settings(checkpoint: dict[str, Any], network: str | None) -> tuple[dict[str, Any], bool]:
+    """The training callback's solver settings (and whether the checkpoint held them)."""
+    state = checkpoint.get("callbacks", {}).get("LPA3Callback", {})
+    if "networks" in state:
+        state = state["networks"].get(network or "net1", {})
+    saved = state.get("settings")
+    return ({**CALLBACK_DEFAULTS, **saved} if saved else dict(CALLBACK_DEFAULTS)), bool(saved)
+
+
+def _images(checkpoint: dict[str, Any], root: str | None, split: str, num: int) -> tuple[Any, str, dict]:
+    """``(x, y)`` of the first ``num`` images of ``split``, the data set's name and normalisation."""
+    from lpa3_lightning.data import MedMNISTDataModule, SemiSupervisedDataModule
+
+    data_hparams = checkpoint.get("datamodule_hyper_parameters", {})
+    root = root or data_hparams.get("root")
+    if "flag" in data_hparams or "source" not in data_hparams:
+        name = data_hparams.get("flag", "breastmnist")
+        data: Any = MedMNISTDataModule(name, root=root)
+        data.setup("fit" if split in ("train", "val") else "test")
+        dataset = {"train": data.train_dataset, "val": data.val_dataset, "test": data.test_dataset}[split]
+    else:  # the semi-supervised and noisy-label modules' image source, in its evaluation view
+        name = data_hparams["source"]
+        facts = SemiSupervisedDataModule._facts(name)
+        data = SemiSupervisedDataModule(name, root=root, num_labels=int(facts["num_classes"]))
+        data.setup("fit" if split in ("train", "val") else "test")
+        if split == "train":
+            dataset = [(data.eval_transform()(image), label, i) for i, (image, label) in
+                       ((i, data.train_base[i]) for i in range(min(num, len(data.train_base))))]
+        else:
+            dataset = {"val": data.val_dataset, "test": data.test_dataset}[split]
+    x, y, _ = default_collate([dataset[i] for i in range(min(num, len(dataset)))])
+    return (x, y), name, data.normalization
+
+
+def _max_step(text: str) -> Any:
+    if text.lower() == "auto":
+        return "auto"
+    if text.lower() == "none":
+        return None
+    return float(text)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="lpa3 show", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt", required=True, type=Path, help="a checkpoint of a ready module")
+    parser.add_argument("--out", default=Path("lpa3_examples.png"), type=Path, help="PNG to write")
+    parser.add_argument("--root", default=None, help="the data folder (default: the checkpoint's, else the "
+                        "embedded data)")
+    parser.add_argument("--split", default="test", choices=["train", "val", "test"])
+    parser.add_argument("--num", default=8, type=int, help="images in the grid")
+    parser.add_argument("--seed", default=0, type=int, help="seed of the solver's initial noise")
+    parser.add_argument("--network", default=None, choices=["net1", "net2"], help="DivideMix: the network (net1)")
+    parser.add_argument("--sigma", default=None, type=float, help="default: the training callback's")
+    parser.add_argument("--steps", default=None, type=int, help="default: the training callback's")
+    parser.add_argument("--max-step", default=None, type=_max_step,
+                        help="largest L2 length of one solver step: auto, none (the authors' unbounded step) or a "
+                        "number; default: the training callback's")
+    parser.add_argument("--bn-mode", default=None, choices=["auto", "eval", "twin"],
+                        help="the solver's BatchNorm mode; default: the training callback's (auto: the twin BNs, "
+                        "with the shown images' batch statistics, when the model has them)")
+    args = parser.parse_args(argv)
+    if not args.ckpt.is_file():
+        parser.error(f"--ckpt {args.ckpt} does not exist. Fix: pass a checkpoint written by `lpa3 fit` "
+                     "(see the run's checkpoints/ folder).")
+    if args.num < 1:
+        parser.error("--num must be >= 1")
+    checkpoint = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    settings, from_checkpoint = _solver_settings(checkpoint, args.network)
+    for key in ("sigma", "steps", "max_step"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    if args.bn_mode is not None:
+        settings["attack_bn"] = args.bn_mode
+    try:
+        check_max_step(settings["max_step"])
+    except ValueError as exc:
+        parser.error(f"--max-step: {exc}")
+    cls = _module_class(checkpoint)
+    try:
+        module = cls.load_from_checkpoint(args.ckpt, map_location="cpu")
+    except (KeyError, RuntimeError, TypeError) as exc:
+        parser.error(f"--ckpt {args.ckpt} does not load into {cls.__name__} ({type(exc).__name__}: {exc}). It may be a "
+                     "checkpoint of another module, or an older one whose network has changed since (PreAct "
+                     "ResNet-18 and WRN, docs/method.md section 8). Fix: pass a checkpoint of `lpa3 fit` with a ready "
+                     "module (LPA3Classifier, FixMatchClassifier, PESClassifier or DivideMixClassifier) of this "
+                     "release, or call lpa3_lightning.core.visualize.save_comparison_grid from your own code.")
+    module.eval()
+    model: nn.Module = getattr(module, args.network or "net1") if cls.__name__ == "DivideMixClassifier" else module.model
+    bn_mode = settings["attack_bn"]
+    if bn_mode == "auto":
+        bn_mode = "twin" if has_dual_bn(model) else "eval"
+    if bn_mode == "twin" and (not has_dual_bn(model) or args.num < 2):
+        parser.error("--bn-mode twin needs a model with twin BNs and --num >= 2 (batch statistics). Fix: use "
+                     "--bn-mode eval.")
+    (x, y), name, normalization = _images(checkpoint, args.root, args.split, args.num)
+    supervised = cls.__name__ == "LPA3Classifier"
+    if not supervised:  # the label training preserves there: the model's own (pseudo-label / guess)
+        with torch.no_grad():
+            y = model(x).argmax(1)
+    x_adv, stats = lpa3_attack(
+        model, x, y, sigma=settings["sigma"], steps=settings["steps"], lam=settings["lam"],
+        temperature=settings["temperature"], layers=settings["layers"], input_range=normalization, bn_mode=bn_mode,
+        max_step=settings["max_step"], project=settings["project"], fast=settings["fast"],
+        allow_tf32=settings["allow_tf32"], generator=torch.Generator().manual_seed(args.seed), return_stats=True)
+    path = save_comparison_grid(args.out, x, x_adv, normalization)
+    source = "the checkpoint's LPA3Callback" if from_checkpoint else "LPA3Callback's defaults (the checkpoint holds none)"
+    print(f"wrote {path} (rows: x, x', |x' - x| stretched per image; {len(y)} {args.split} images of {name}; "
+          f"{cls.__name__}; label preserved: {'the true label' if supervised else 'the model prediction'}; "
+          f"bn mode {bn_mode}, sigma {settings['sigma']}, {settings['steps']} steps, max step {settings['max_step']} "
+          f"(settings from {source}))")
+    for i in range(len(y)):
+        print(f"  image {i}: label {int(y[i])}, perceptual distance {float(stats.perceptual_distance[i]):.3f}, "
+              f"log p drop {float(stats.logp_drop[i]):+.4f}, label preserved {bool(stats.preserved[i])}")
+    return path

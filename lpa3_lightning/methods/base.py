@@ -1,0 +1,304 @@
+"""The small protocol between :class:`~lpa3_lightning.LPA3Callback` and a LightningModule.
+
+A module adopts LP-A3 by inheriting :class:`LPA3ModuleMixin` (its default
+:meth:`~LPA3ModuleMixin.lpa3_request` reads ``(x, y, index)`` batches); in ``training_step``
+it calls :meth:`~LPA3ModuleMixin.lpa3_record_predictions` with its clean logits (they feed
+the time-consistency memory, so no extra forward is spent on it),
+:meth:`~LPA3ModuleMixin.lpa3_take_augmented` to get the hard positives, and
+:meth:`~LPA3ModuleMixin.lpa3_forward_augmented` for their logits: the forward under which
+the solver verified that every ``x'`` keeps its label (the callback measures it there).
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.core.augmented_forward import TrainForward, augmented_logits
+from lpa3_lightning.core.model_outputs import output_to_logits
+
+__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "check_mixin_settings",
+           "mixin_settings", "split_indexed_batch"]
+
+# packages whose classes define no user setting (their attributes are not checked for typos)
+_FRAMEWORK_PACKAGES = ("lpa3_lightning", "lightning", "pytorch_lightning", "torch", "torchmetrics", "builtins")
+
+
+def mixin_settings(cls: type) -> dict[str, str]:
+    """The settings of the LP-A3 mixins ``cls`` inherits (their public annotated class attributes,
+    e.g. ``pes_early_epochs``), each with the name of the mixin that declares it."""
+    settings: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("lpa3_lightning.methods"):
+            for name in vars(klass).get("__annotations__", {}):
+                if not name.startswith("_"):
+                    settings.setdefault(name, klass.__name__)
+    return settings
+
+
+def _user_attributes(module: Any) -> dict[str, Any]:
+    """The data attributes a user gave the module: its own (``self.x = ...``) and those of its
+    classes outside the framework packages (``class M(...): x = 1``)."""
+    found = dict(vars(module))
+    for klass in type(module).__mro__:
+        if klass.__module__.split(".")[0] in _FRAMEWORK_PACKAGES:
+            continue
+        for name, value in vars(klass).items():
+            if not callable(value) and not isinstance(value, (property, staticmethod, classmethod)):
+                found.setdefault(name, value)
+    return found
+
+
+#: the prefixes of the mixins' settings; a name with one of them is meant as a setting
+_SETTING_PREFIXES = ("lpa3_", "fixmatch_", "pes_", "dividemix_")
+
+
+def _is_set(module: Any, name: str, attributes: dict[str, Any]) -> bool:
+    """Whether ``name`` is given by the module itself: an instance attribute, or a class attribute
+    or property of a class outside the framework packages."""
+    if name in attributes:
+        return True
+    return any(name in vars(klass) for klass in type(module).__mro__
+               if klass.__module__.split(".")[0] not in _FRAMEWORK_PACKAGES)
+
+
+def check_mixin_settings(module: Any) -> None:
+    """Refuse a misspelled mixin setting; warn once about a setting's name without its prefix.
+
+    A setting is an attribute the mixin reads (``pes_early_epochs``); an attribute of another
+    name is never read, so a typo would leave the default running without a word:
+
+    * a name with a mixin's prefix (``lpa3_``, ``fixmatch_``, ``pes_``, ``dividemix_``) that is
+      not a setting but within a small edit of one (``self.pes_early_epoch``) is refused;
+    * a setting's exact name without its prefix (``self.early_epochs`` for ``pes_early_epochs``)
+      gets one warning naming the setting, unless the module also sets that setting (then it is
+      taken for an attribute of the module's own).
+
+    Raises:
+        ValueError: naming the attribute, the setting it resembles and the fix.
+    """
+    settings = mixin_settings(type(module))
+    if not settings:
+        return
+    attributes = _user_attributes(module)
+    for name in attributes:
+        if name.startswith("_") or name in settings:
+            continue
+        if name.startswith(_SETTING_PREFIXES):
+            close = difflib.get_close_matches(name, list(settings), n=1, cutoff=0.85)
+            if close:
+                raise ValueError(
+                    f"{type(module).__name__}.{name} is not a setting of the LP-A3 mixins, so it would be ignored and "
+                    f"the default would run; did you mean `{close[0]}` ({settings[close[0]]})? Fix: set "
+                    f"`self.{close[0]} = ...` instead."
+                )
+            continue
+        unprefixed = [s for s in settings if s.split("_", 1)[-1] == name and not _is_set(module, s, attributes)]
+        if unprefixed:
+            names = " or ".join(f"`{s}` ({settings[s]})" for s in unprefixed)
+            warnings.warn(
+                f"{type(module).__name__}.{name} is not read by the LP-A3 mixins; if it was meant as {names}, the "
+                f"default runs instead. Fix: set `self.{unprefixed[0]} = ...` (if `{name}` is an attribute of your "
+                f"own, setting `{unprefixed[0]}` explicitly silences this).", UserWarning, stacklevel=3)
+
+
+def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``(inputs, targets, indices)`` of a batch from an index-returning dataset.
+
+    Accepts a ``(x, y, index)`` tuple/list or a mapping with keys ``input``/``target``/``index``.
+
+    Raises:
+        ValueError: if the batch carries no dataset indices, naming the fix.
+    """
+    if isinstance(batch, dict):
+        if {"input", "target", "index"} <= set(batch):
+            return batch["input"], batch["target"], batch["index"]
+    elif isinstance(batch, Sequence) and len(batch) == 3:
+        return batch[0], batch[1], batch[2]
+    described = sorted(batch) if isinstance(batch, dict) else f"{type(batch).__name__} of length {len(batch)}" \
+        if isinstance(batch, Sequence) else type(batch).__name__
+    raise ValueError(
+        f"LP-A3 needs the dataset index of every sample, but the batch is {described}. Fix: wrap the training "
+        "dataset in `lpa3_lightning.data.IndexedDataset` so batches are (x, y, index), or return a dict with "
+        "keys 'input', 'target', 'index'."
+    )
+
+
+class BatchNormStatisticsFrozen:
+    """Leave every BatchNorm's running statistics (and batch count) as they are during a forward
+    in train mode (momentum 0), e.g. the no-grad pseudo-label forwards of FixMatch and PES."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+
+    def __enter__(self) -> None:
+        self.saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+                      for m in self.norms]
+        for m in self.norms:
+            m.momentum = 0.0  # running = (1 - 0) * running
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, (momentum, tracked) in zip(self.norms, self.saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+#: Methods the callback calls; checked in ``LPA3Callback.setup``.
+REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_logits", "lpa3_set_augmented", "lpa3_pop_predictions")
+
+
+class LPA3ModuleMixin:
+    """Mixin for a LightningModule trained with :class:`~lpa3_lightning.LPA3Callback`.
+
+    Attributes:
+        lpa3_num_classes: number of classes of the model's logits (sizes the TCS memory);
+            set it in ``__init__``.
+        lpa3_train_forward: how :meth:`lpa3_forward_augmented` normalises ``x'``:
+            ``"verified"`` (default, the solver's normalisation, see
+            :mod:`lpa3_lightning.core.augmented_forward`) or ``"batch_stats"`` (the authors').
+    """
+
+    lpa3_num_classes: int | None = None
+    lpa3_train_forward: TrainForward = "verified"
+    _lpa3_augmented: AugmentedBatch | None = None
+    _lpa3_predictions: tuple[Tensor, Tensor, Tensor | None] | None = None
+    _lpa3_augmented_logits: Tensor | None = None
+
+    def lpa3_batches_per_epoch(self, given: int | None = None) -> int:
+        """``given``, or the attached trainer's training batches per epoch (1 when unknown): the
+        step count that makes a loss's ramp-up advance within an epoch
+        (``epoch + batch_idx / batches_per_epoch``)."""
+        if given is not None:
+            return max(1, int(given))
+        batches = getattr(getattr(self, "_trainer", None), "num_training_batches", None)
+        return int(batches) if isinstance(batches, (int, float)) and 1 <= batches < float("inf") else 1
+
+    def lpa3_split_batch(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """``(inputs, targets, indices)`` of a training batch; the default reads ``(x, y, index)``
+        tuples or ``{"input", "target", "index"}`` dicts and names the fix for a batch without
+        indices (:func:`split_indexed_batch`). Override for another batch layout."""
+        return split_indexed_batch(batch)
+
+    def lpa3_request(self, batch: Any) -> LPA3Request:
+        """The inputs, labels to preserve and dataset indices of ``batch`` (default: from
+        :meth:`lpa3_split_batch`, the true labels). Override to preserve other labels
+        (pseudo-labels) or to offer another view of the batch."""
+        x, y, idx = self.lpa3_split_batch(batch)
+        return LPA3Request(inputs=x, targets=y, indices=idx)
+
+    def lpa3_model(self, network: str | None = None) -> nn.Module:
+        """The network to attack and whose layers give the perceptual features.
+
+        Defaults to the module itself; override to return the backbone (e.g. ``self.model``)
+        so that layer names are the backbone's. A module with several networks
+        (:meth:`lpa3_networks`) returns the one named ``network``.
+        """
+        return self  # type: ignore[return-value]
+
+    def lpa3_check_settings(self) -> None:
+        """Refuse a misspelled or unprefixed mixin setting (:func:`check_mixin_settings`); the
+        callback calls it in ``setup``, and the mixins' loss methods on their first call."""
+        check_mixin_settings(self)
+        self.__dict__["_lpa3_settings_checked"] = True
+
+    def _lpa3_check_settings_once(self) -> None:
+        if not self.__dict__.get("_lpa3_settings_checked"):
+            self.lpa3_check_settings()
+
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        """Whether this module's loss trains ``x'`` in ``epoch`` (default: always).
+
+        The callback solves only in the epochs where this is True (and after its own
+        ``warmup_epochs``): a method that trains ``x'`` only in some phases (PES's semi-supervised
+        phase, DivideMix after its warm-up, FixMatch after its LP-A3 loss warm-up) says so here,
+        and no solve is spent on ``x'`` nobody trains. The TCS memory keeps updating either way.
+        """
+        return True
+
+    def lpa3_networks(self) -> tuple[str, ...] | None:
+        """Names of the networks LP-A3 runs on, each with its own memory, selection, twin BN and
+        cache (e.g. DivideMix's ``("net1", "net2")``); None (default): one network.
+
+        With names, the callback calls :meth:`lpa3_request`, :meth:`lpa3_model` and the hand-over
+        methods with ``network=<name>`` (see :mod:`lpa3_lightning.callback.networks`)."""
+        return None
+
+    # The hand-over slots: plain attributes for the single network (network=None), a dict for named ones.
+    def _lpa3_slot(self, attr: str, network: str | None) -> Any:
+        if network is None:
+            return getattr(self, attr)
+        return self.__dict__.get("_lpa3_named_slots", {}).get((attr, network))
+
+    def _lpa3_set_slot(self, attr: str, network: str | None, value: Any) -> None:
+        if network is None:
+            setattr(self, attr, value)
+        else:
+            self.__dict__.setdefault("_lpa3_named_slots", {})[(attr, network)] = value
+
+    def lpa3_logits(self, output: Any) -> Tensor:
+        """Map ``lpa3_model()``'s output to logits (the adapter for tuple / dict / dataclass outputs).
+
+        The default accepts a tensor and refuses anything else with a message; override,
+        e.g. ``return output["logits"]`` or ``return output[0]`` or ``return output.logits``.
+        """
+        return output_to_logits(output)
+
+    def lpa3_set_augmented(self, augmented: AugmentedBatch | None, network: str | None = None) -> None:
+        """Called by the callback before ``training_step`` with this batch's hard positives."""
+        self._lpa3_set_slot("_lpa3_augmented", network, augmented)
+
+    def lpa3_augmented_pending(self, network: str | None = None) -> bool:
+        """Whether this batch's hard positives were handed over and not taken (yet)."""
+        return self._lpa3_slot("_lpa3_augmented", network) is not None
+
+    def lpa3_take_augmented(self, network: str | None = None) -> AugmentedBatch | None:
+        """The hard positives of the current batch (None during warm-up or without callback)."""
+        augmented = self._lpa3_slot("_lpa3_augmented", network)
+        self._lpa3_set_slot("_lpa3_augmented", network, None)
+        return augmented
+
+    def lpa3_forward_augmented(self, augmented: AugmentedBatch) -> Tensor:
+        """Logits of the hard positives for the loss, in the forward the solver verified.
+
+        Uses :func:`~lpa3_lightning.core.augmented_forward.augmented_logits` with the batch's BN
+        mode, the clean selected samples (twins: reference-batch normalisation) or the
+        running-statistics snapshot, and :attr:`lpa3_train_forward`; the logits are
+        handed to the callback, which measures ``lpa3/label_preserved`` in this very forward.
+        With several networks the batch's own (``augmented.network``) is used.
+        """
+        network = augmented.network
+        model = self.lpa3_model() if network is None else self.lpa3_model(network=network)
+        logits = augmented_logits(
+            model, augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
+            bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
+            logits_fn=self.lpa3_logits,
+            train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
+        )
+        self._lpa3_set_slot("_lpa3_augmented_logits", network, logits.detach())
+        return logits
+
+    def lpa3_pop_augmented_logits(self, network: str | None = None) -> Tensor | None:
+        """Called by the callback after ``training_step``: the logits of ``x'`` as trained, if any."""
+        logits = self._lpa3_slot("_lpa3_augmented_logits", network)
+        self._lpa3_set_slot("_lpa3_augmented_logits", network, None)
+        return logits
+
+    def lpa3_record_predictions(self, indices: Tensor, logits: Tensor, targets: Tensor | None = None,
+                                network: str | None = None) -> None:
+        """Hand the clean logits of this batch to the callback's time-consistency memory (of
+        ``network`` when the module has several)."""
+        self._lpa3_set_slot("_lpa3_predictions", network,
+                            (indices.detach(), logits.detach(), None if targets is None else targets.detach()))
+
+    def lpa3_pop_predictions(self, network: str | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Called by the callback after ``training_step``."""
+        predictions = self._lpa3_slot("_lpa3_predictions", network)
+        self._lpa3_set_slot("_lpa3_predictions", network, None)
+        return predictions

@@ -1,0 +1,174 @@
+"""A ready FixMatch classifier (semi-supervised); add ``LPA3Callback`` to train it with LP-A3."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lpa3_lightning.core.dual_bn import convert_dual_bn
+from lpa3_lightning.methods.base import split_indexed_batch
+from lpa3_lightning.methods.fixmatch import FixMatchLPA3Mixin, check_solve_trained_only
+from lpa3_lightning.modules.classifier import check_datamodule_agrees
+
+__all__ = ["FixMatchClassifier", "build_ssl_backbone"]
+
+ARCHS = ("small_cnn", "wrn28_2", "wrn28_8", "wrn37_2", "preact_resnet18")
+
+
+def build_ssl_backbone(arch: str, in_channels: int, num_classes: int) -> nn.Module:
+    """The paper's backbones (WRN-28-2, WRN-28-8, WRN-37-2 semi-supervised; PreAct ResNet-18 noisy labels) or a small
+    CNN for CPU runs.
+
+    Raises:
+        ValueError: for an unknown ``arch``, listing the choices.
+    """
+    if arch == "small_cnn":
+        from lpa3_lightning.models.small_cnn import small_cnn
+
+        return small_cnn(in_channels=in_channels, num_classes=num_classes)
+    if arch == "wrn28_2":
+        from lpa3_lightning.models.wrn import wrn28_2
+
+        return wrn28_2(num_classes, in_channels=in_channels)
+    if arch == "wrn28_8":
+        from lpa3_lightning.models.wrn import wrn28_8
+
+        return wrn28_8(num_classes, in_channels=in_channels)
+    if arch == "wrn37_2":
+        from lpa3_lightning.models.wrn import wrn37_2
+
+        return wrn37_2(num_classes, in_channels=in_channels)
+    if arch == "preact_resnet18":
+        from lpa3_lightning.models.preact_resnet import preact_resnet18
+
+        return preact_resnet18(num_classes, in_channels=in_channels)
+    raise ValueError(f"`arch` must be one of {ARCHS}, got {arch!r}. Fix: use 'wrn28_2' (CIFAR-10), 'wrn28_8' "
+                     "(CIFAR-100), 'wrn37_2' (STL-10), 'preact_resnet18' (noisy labels) or 'small_cnn' (CPU runs).")
+
+
+class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
+    """FixMatch (Sohn et al., NeurIPS 2020) with its recipe; add ``LPA3Callback`` for LP-A3.
+
+    Without the callback it is plain FixMatch (the same module, the same recipe). The recipe:
+    SGD with Nesterov momentum 0.9, learning rate 0.03, weight decay 5e-4 (not on biases and
+    BatchNorm), cosine decay ``lr * cos(7 pi k / (16 K))`` over the run's K optimizer steps,
+    threshold 0.95, lambda_u 1. Evaluate with EMA weights (decay 0.999) by adding Lightning's
+    ``EMAWeightAveraging`` callback to the Trainer (the configs in ``configs/ssl/`` do). Logs
+    ``train/loss``, ``train/mask_rate`` and the parts of the loss, ``val/acc`` and ``test/acc``
+    (torchmetrics).
+
+    Args:
+        arch: ``"small_cnn"``, ``"wrn28_2"``, ``"wrn28_8"``, ``"wrn37_2"`` or ``"preact_resnet18"``.
+        in_channels: image channels.
+        num_classes: classes.
+        lr: initial learning rate (0.03).
+        momentum: SGD momentum (0.9, Nesterov).
+        weight_decay: weight decay (5e-4; the paper's CIFAR-100 rows use 1e-3).
+        threshold: FixMatch's pseudo-label confidence threshold (0.95).
+        lambda_u: weight of the unlabeled loss (1).
+        lpa3_confidence_threshold: the LP-A3 term's second threshold (0.9).
+        lpa3_weight: weight of the LP-A3 term (1).
+        lpa3_loss_warmup_epochs: passes over the unlabeled set before the LP-A3 term counts
+            (the authors: after 5 x 1024 steps; see ``configs/ssl/make_configs.py``).
+        lpa3_solve_trained_only: let the callback solve only the ``x'`` the LP-A3 term will weigh
+            (True, the same loss at a fraction of the solver's cost; False: the authors' cost,
+            every selected row solved). See :class:`~lpa3_lightning.mixins.FixMatchLPA3Mixin`.
+        twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
+        model: use this network instead of building ``arch``.
+
+    Example:
+        >>> module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10)
+        >>> module.lpa3_num_classes, module.fixmatch_threshold
+        (10, 0.95)
+    """
+
+    def __init__(
+        self,
+        arch: str = "small_cnn",
+        in_channels: int = 1,
+        num_classes: int = 10,
+        lr: float = 0.03,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        threshold: float = 0.95,
+        lambda_u: float = 1.0,
+        lpa3_confidence_threshold: float = 0.9,
+        lpa3_weight: float = 1.0,
+        lpa3_loss_warmup_epochs: int = 5,
+        lpa3_solve_trained_only: bool = True,
+        twin_bn: bool = True,
+        model: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"`lr` must be > 0, got {lr}. Fix: use 0.03 (FixMatch).")
+        if not 0.0 < threshold <= 1.0 or not 0.0 <= lpa3_confidence_threshold <= 1.0:
+            raise ValueError(f"`threshold` must be in (0, 1] and `lpa3_confidence_threshold` in [0, 1], got "
+                             f"{threshold} and {lpa3_confidence_threshold}. Fix: use 0.95 and 0.9.")
+        if lambda_u < 0 or lpa3_weight < 0:
+            raise ValueError(f"`lambda_u` and `lpa3_weight` must be >= 0, got {lambda_u} and {lpa3_weight}.")
+        if isinstance(lpa3_loss_warmup_epochs, bool) or not isinstance(lpa3_loss_warmup_epochs, int) \
+                or lpa3_loss_warmup_epochs < 0:
+            raise ValueError(f"`lpa3_loss_warmup_epochs` must be an int >= 0, got {lpa3_loss_warmup_epochs!r}.")
+        check_solve_trained_only(lpa3_solve_trained_only)
+        self.save_hyperparameters(ignore=["model"])
+        self.model = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
+        if twin_bn:
+            convert_dual_bn(self.model)
+        self.lpa3_num_classes = num_classes
+        self.fixmatch_threshold = threshold
+        self.fixmatch_lambda_u = lambda_u
+        self.lpa3_confidence_threshold = lpa3_confidence_threshold
+        self.lpa3_weight = lpa3_weight
+        self.lpa3_loss_warmup_epochs = lpa3_loss_warmup_epochs
+        self.lpa3_solve_trained_only = lpa3_solve_trained_only
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def setup(self, stage: str) -> None:
+        datamodule = check_datamodule_agrees(self, ("num_classes", "in_channels"), "FixMatchClassifier")
+        unlabeled = getattr(datamodule, "num_unlabeled", None)
+        if isinstance(unlabeled, int):
+            self.lpa3_num_samples = unlabeled  # the TCS memory runs over the unlabeled set
+
+    def lpa3_model(self) -> nn.Module:
+        return self.model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss, parts = self.fixmatch_loss(batch)
+        batch_size = int(batch["labeled"][0].shape[0]) if isinstance(batch, dict) else None
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=batch_size)
+        return loss
+
+    def _evaluate(self, batch: Any, metric: MulticlassAccuracy, name: str) -> None:
+        x, y, _ = split_indexed_batch(batch)
+        metric.update(self.model(x), y)
+        self.log(name, metric, prog_bar=True, batch_size=int(x.shape[0]))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_acc, "val/acc")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_acc, "test/acc")
+
+    def configure_optimizers(self) -> Any:
+        # no weight decay on biases and BatchNorm parameters (FixMatch's reference setting)
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            (no_decay if p.dim() <= 1 or name.endswith(".bias") else decay).append(p)
+        optimizer = torch.optim.SGD(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr, momentum=self.hparams.momentum, nesterov=True,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: math.cos(7 * math.pi * k / (16 * total)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

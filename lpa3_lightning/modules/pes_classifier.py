@@ -1,0 +1,223 @@
+"""A ready PES classifier for noisy labels; add ``LPA3Callback`` to train it with LP-A3."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lpa3_lightning.core.dual_bn import convert_dual_bn
+from lpa3_lightning.methods.base import split_indexed_batch
+from lpa3_lightning.methods.noisy_training import (
+    adopt_training_set_size,
+    anchor_twins_without_callback,
+    lpa3_callbacks,
+    release_twins,
+    whole_training_set_loader,
+)
+from lpa3_lightning.methods.pes import PESLPA3Mixin, check_lpa3_confidence
+from lpa3_lightning.modules.classifier import check_datamodule_agrees
+from lpa3_lightning.modules.fixmatch_classifier import build_ssl_backbone
+
+__all__ = ["PESClassifier"]
+
+
+class PESClassifier(PESLPA3Mixin, pl.LightningModule):
+    """PES (Bai et al., NeurIPS 2021) with the authors' recipe; add ``LPA3Callback`` for LP-A3.
+
+    The phases and the loss are :class:`~lpa3_lightning.mixins.PESLPA3Mixin`'s. Optimisation
+    (manual, two optimizers): SGD (lr 0.02, momentum 0.9, weight decay 5e-4) with cosine
+    annealing to ``lr / 100`` over the epochs outside the refine phase, stepped once an epoch,
+    for the early and semi-supervised phases; Adam (lr 1e-4) on the re-initialised head alone in
+    the refine phase (the other weights stay; the forward runs in train mode, so BatchNorm running
+    statistics keep following the batches). The head is re-initialised in place, so SGD trains it
+    in the semi-supervised phase, from fresh momentum (the authors' script builds its SGD before
+    swapping in a new head, which is then never updated; ``freeze_head_in_semi=True`` reproduces
+    that). In the refine phase every parameter gets its gradient (so DDP needs no unused-parameter
+    search) and Adam applies the head's; the other weights stay as the early phase left them. Training
+    batches are ``(x_view1, x_view2, noisy_label, index)``; validation and test batches
+    ``(x, y, index)`` with clean labels. Logs ``train/loss``, its parts, ``train/labeled_share``,
+    ``val/acc`` and ``test/acc`` (torchmetrics). ``LPA3Callback`` needs no warm-up: it solves
+    ``x'`` from the semi phase on, where they are trained, and its memory learns before.
+
+    Args:
+        arch: ``"small_cnn"``, ``"preact_resnet18"`` (the paper's noisy-label backbone), ``"wrn28_2"``
+            or ``"wrn28_8"`` (see ``build_ssl_backbone``).
+        in_channels: image channels.
+        num_classes: classes.
+        num_samples: training set size (the split and the TCS memory are over it); None: the data
+            module's ``num_train`` (needed without a data module).
+        lr: SGD learning rate (0.02).
+        momentum: SGD momentum (0.9).
+        weight_decay: SGD weight decay (5e-4).
+        refine_lr: Adam learning rate of the head in the refine phase (1e-4).
+        early_epochs: T1 (authors: 20 on CIFAR-10, 35 on CIFAR-100).
+        refine_epochs: T2 (5).
+        lambda_u: unlabeled loss weight after the ramp (authors: 150).
+        temperature: sharpening temperature (0.5).
+        alpha: mixup Beta parameter (4); ``alpha_late`` (0.75) from ``alpha_late_epoch``
+            (None: half-way through the epochs outside the refine phase, as the authors' epoch
+            150 of 300; a negative value never switches).
+        rampup_epochs: ramp length of the unlabeled weight (16).
+        lpa3_mixup: mix the ``x'`` up with the labeled views (authors) or train them unmixed.
+        lpa3_confidence: attack only unlabeled rows whose sharpened guess (temperature 0.5) is
+            at least this sure of its label (None: all, as the authors).
+        freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
+        twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
+        model: use this network instead of building ``arch``.
+
+    Example:
+        >>> module = PESClassifier(num_classes=10, num_samples=4000)
+        >>> module.pes_phase(0), module.pes_phase(20), module.pes_phase(25)
+        ('early', 'refine', 'semi')
+    """
+
+    def __init__(
+        self,
+        arch: str = "small_cnn",
+        in_channels: int = 1,
+        num_classes: int = 10,
+        num_samples: int | None = None,
+        lr: float = 0.02,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        refine_lr: float = 1e-4,
+        early_epochs: int = 20,
+        refine_epochs: int = 5,
+        lambda_u: float = 150.0,
+        temperature: float = 0.5,
+        alpha: float = 4.0,
+        alpha_late: float = 0.75,
+        alpha_late_epoch: int | None = None,
+        rampup_epochs: float = 16.0,
+        lpa3_mixup: bool = True,
+        lpa3_confidence: float | None = None,
+        freeze_head_in_semi: bool = False,
+        twin_bn: bool = True,
+        model: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        checks = [("early_epochs", early_epochs, 1), ("refine_epochs", refine_epochs, 0), ("num_classes", num_classes, 2)]
+        for name, value, low in checks + ([("num_samples", num_samples, 2)] if num_samples is not None else []):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. early_epochs=20, "
+                                 "refine_epochs=5, num_samples=<training set size>.")
+        for name, value in (("lr", lr), ("refine_lr", refine_lr), ("temperature", temperature), ("alpha", alpha),
+                            ("alpha_late", alpha_late), ("rampup_epochs", rampup_epochs)):
+            if not value > 0:
+                raise ValueError(f"`{name}` must be > 0, got {value!r}.")
+        if lambda_u < 0:
+            raise ValueError(f"`lambda_u` must be >= 0, got {lambda_u!r}. Fix: use 150 (PES) or 25 (small sets).")
+        check_lpa3_confidence(lpa3_confidence)
+        self.save_hyperparameters(ignore=["model"])
+        self.automatic_optimization = False
+        net = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
+        self.model = convert_dual_bn(net) if twin_bn else net
+        self.lpa3_num_classes = num_classes
+        self.lpa3_num_samples = num_samples
+        self.pes_early_epochs = early_epochs
+        self.pes_refine_epochs = refine_epochs
+        self.pes_lambda_u = lambda_u
+        self.pes_temperature = temperature
+        self.pes_alpha = alpha
+        self.pes_alpha_late = alpha_late
+        self.pes_rampup_epochs = rampup_epochs
+        self.pes_lpa3_mixup = lpa3_mixup
+        self.pes_lpa3_confidence = lpa3_confidence
+        self._alpha_late_epoch_arg = alpha_late_epoch
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def setup(self, stage: str) -> None:
+        adopt_training_set_size(self, check_datamodule_agrees(self, ("num_classes", "in_channels"), "PESClassifier"))
+
+    def lpa3_model(self) -> nn.Module:
+        return self.model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        sgd = torch.optim.SGD(self.model.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        adam = torch.optim.Adam(self.pes_head().parameters(), lr=hp.refine_lr)
+        max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 300
+        cosine_epochs = max(1, max_epochs - self.pes_refine_epochs)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=cosine_epochs, eta_min=hp.lr / 100)
+        return [sgd, adam], [scheduler]
+
+    def on_fit_start(self) -> None:
+        self._pes_sizes()  # a missing training-set size is named now, not at the semi phase
+        if self.pes_lambda_u == 0 and lpa3_callbacks(self.trainer):
+            # x' are weighted like the unlabeled loss (lambda_u x ramp), so each attack would train nothing
+            raise ValueError("LPA3Callback is attached but lambda_u=0, the weight of the x' term, so every attack "
+                             "would train nothing. Fix: pass lambda_u > 0 (e.g. 25, or PES's 150), or drop the "
+                             "callback.")
+        arg = self._alpha_late_epoch_arg
+        max_epochs = self.trainer.max_epochs or 0
+        counted = max_epochs - self.pes_refine_epochs  # the authors' refine epochs are not outer epochs
+        self.pes_alpha_late_epoch = (self.pes_refine_epochs + counted // 2 if counted > 0 else None) if arg is None \
+            else (None if arg < 0 else int(arg))
+        self._anchored = anchor_twins_without_callback(self.trainer, [self.model])
+
+    def on_fit_end(self) -> None:
+        if getattr(self, "_anchored", False):
+            release_twins([self.model])
+
+    def on_train_epoch_start(self) -> None:
+        epoch = self.current_epoch
+        semi = self.pes_phase(epoch) == "semi"
+        self.pes_begin_epoch(epoch, whole_training_set_loader(self.trainer, self.global_rank) if semi else [])
+        if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
+            sgd, _ = self.optimizers()  # type: ignore[misc]
+            for p in self.pes_head().parameters():  # the re-initialised head starts without momentum
+                sgd.optimizer.state.pop(p, None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        batches = self.trainer.num_training_batches
+        loss, parts = self.pes_loss(batch, batch_idx, int(batches) if math.isfinite(batches) else 1)
+        sgd, adam = self.optimizers()  # type: ignore[misc]
+        phase = self.pes_phase(self.current_epoch)
+        # refine: every parameter gets its gradient (DDP needs them all in the graph), Adam
+        # updates the head only; the rest stays as the early phase left it
+        optimizer = adam if phase == "refine" else sgd
+        sgd.zero_grad()
+        adam.zero_grad()
+        self.manual_backward(loss)
+        if phase == "semi" and self.hparams.freeze_head_in_semi:
+            for p in self.pes_head().parameters():
+                p.grad = None
+        optimizer.step()
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        for name, value in parts.items():
+            self.log(f"train/{name}", value.float())
+        return loss.detach()
+
+    def on_train_epoch_end(self) -> None:
+        if self.pes_phase(self.current_epoch) != "refine":
+            scheduler = self.lr_schedulers()
+            scheduler.step()  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = split_indexed_batch(batch)
+        self.val_acc(self.model(x), y)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = split_indexed_batch(batch)
+        self.test_acc(self.model(x), y)
+        self.log("test/acc", self.test_acc)
+
+    # ------------------------------------------------------------------ checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["pes_split"] = self.pes_state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "pes_split" in checkpoint:
+            self.pes_load_state_dict(checkpoint["pes_split"])

@@ -1,0 +1,114 @@
+"""The `lpa3` command (LightningCLI) and the shipped configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lpa3_lightning import LPA3Callback, LPA3Classifier
+from lpa3_lightning.cli import LPA3CLI, build_cli, main
+from lpa3_lightning.data import MedMNISTDataModule
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "medmnist"
+
+
+def _instantiate(config: Path, *overrides: str) -> LPA3CLI:
+    return build_cli(["--config", str(config), *overrides], run=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "ratio", "randaugment"),
+    [("baseline", None, False), ("randaugment", None, True), ("lpa3_tau0.2", 0.2, False),
+     ("lpa3_tau0.5", 0.5, False), ("lpa3_tau0.9", 0.9, False), ("lpa3_maxstep1", 0.5, False),
+     ("demo_breastmnist_lpa3", 0.3, False)],
+)
+def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path):
+    cli = _instantiate(CONFIGS / f"{name}.yaml", f"--trainer.default_root_dir={tmp_path}",
+                       f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert isinstance(cli.model, LPA3Classifier) and isinstance(cli.datamodule, MedMNISTDataModule)
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, LPA3Callback)]
+    if ratio is None:
+        assert not callbacks
+    else:
+        assert len(callbacks) == 1 and callbacks[0].ratio == ratio and callbacks[0].sigma == 0.02
+        assert callbacks[0].solver.max_step == (1.0 if name == "lpa3_maxstep1" else "auto")
+    assert cli.datamodule.hparams.randaugment is randaugment
+    if not name.startswith("demo"):
+        assert cli.trainer.max_epochs == 100 and list(cli.model.hparams.milestones) == [50, 75]
+
+
+def test_fit_then_test_from_the_command_line(tmp_path, capsys):
+    main([
+        "fit", "--config", str(CONFIGS / "demo_breastmnist_lpa3.yaml"),
+        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+        "--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false",
+        "--data.init_args.batch_size=8", "--model.init_args.milestones=[1]",
+    ])
+    out = capsys.readouterr().out
+    assert "=== LP-A3 run finished ===" in out
+    assert "test/acc:" in out and "test/auc:" in out
+    assert list(tmp_path.rglob("*.ckpt")), "no checkpoint written"
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard log written"
+    assert (tmp_path / "version_0" / "config.yaml").exists() or list(tmp_path.rglob("config.yaml"))
+
+
+def test_python_dash_m_is_the_same_command():
+    done = subprocess.run([sys.executable, "-m", "lpa3_lightning", "fit", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--test_after_fit" in done.stdout and "--config" in done.stdout
+
+
+def test_lpa3_console_script_is_installed():
+    script = Path(sys.executable).parent / "lpa3"
+    assert script.exists(), "the `lpa3` console script is not installed next to the interpreter"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fit" in done.stdout and "test" in done.stdout
+
+
+def _config_with_ratio(tmp_path: Path, value: str) -> Path:
+    text = (CONFIGS / "lpa3_tau0.5.yaml").read_text()
+    assert "ratio: 0.5" in text
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.replace("ratio: 0.5", f"ratio: {value}"))
+    return path
+
+
+def test_bad_config_value_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _instantiate(_config_with_ratio(tmp_path, "oops"), f"--trainer.default_root_dir={tmp_path}")
+    err = capsys.readouterr().err
+    assert "ratio" in err and "oops" in err
+
+
+def test_out_of_range_ratio_in_a_config_is_refused_with_the_fix(tmp_path, capsys):
+    with pytest.raises((SystemExit, ValueError)) as info:
+        _instantiate(_config_with_ratio(tmp_path, "1.5"), f"--trainer.default_root_dir={tmp_path}")
+    message = str(info.value) + capsys.readouterr().err
+    assert "`ratio`" in message and "(0, 1]" in message and "Fix" in message
+
+
+def test_model_and_data_mismatch_is_refused_before_training(tmp_path):
+    cli = _instantiate(CONFIGS / "demo_breastmnist_lpa3.yaml", "--model.init_args.num_classes=5",
+                       f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    with pytest.raises(ValueError, match="--model.init_args.num_classes 2"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def test_a_flat_key_of_an_older_config_names_its_group(tmp_path):
+    text = (CONFIGS / "lpa3_maxstep1.yaml").read_text()
+    flat = text.replace("        solver:\n          lam: 1.0\n          max_step: 1.0", "        lam: 1.0\n        max_step: 1.0"
+                        ).replace("          attack_bn: auto", "        attack_bn: auto")
+    assert flat != text
+    path = tmp_path / "flat.yaml"
+    path.write_text(flat)
+    with pytest.raises(SystemExit) as info:
+        _instantiate(path, f"--trainer.default_root_dir={tmp_path}")
+    message = str(info.value)
+    assert "`max_step` moved to the `solver` group" in message and "`solver:` with `max_step:` under it" in message
+    assert "`lam` moved to the `solver` group" in message

@@ -1,0 +1,120 @@
+"""AugmentationCache: expiry after K epochs, memory bound, memory-mapped store, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lpa3_lightning.core.cache import AugmentationCache
+
+
+def test_entries_expire_after_k_epochs():
+    cache = AugmentationCache(5, every_n_epochs=3)
+    cache.put(torch.tensor([0, 2]), torch.arange(8.0).view(2, 4), epoch=1)
+    assert cache.fresh(torch.tensor([0, 1, 2]), epoch=1).tolist() == [True, False, True]
+    assert cache.fresh(torch.tensor([0, 2]), epoch=3).tolist() == [True, True]
+    assert cache.fresh(torch.tensor([0, 2]), epoch=4).tolist() == [False, False]
+    assert torch.equal(cache.get(torch.tensor([2])), torch.arange(4.0, 8.0).view(1, 4))
+    cache.put(torch.tensor([2]), torch.zeros(1, 4), epoch=4)  # regenerated: young again
+    assert cache.fresh(torch.tensor([2]), epoch=6).tolist() == [True]
+
+
+def test_in_memory_up_to_the_bound_then_refused_without_a_directory():
+    small = AugmentationCache(10, 2, max_bytes=10 * 4 * 4)
+    small.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)
+    assert small.file is None and small.nbytes == 160
+    too_big = AugmentationCache(10, 2, max_bytes=100)
+    with pytest.raises(ValueError, match="cache.dir"):
+        too_big.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)
+
+
+def test_memory_mapped_store_is_a_per_run_file_and_restarts_empty_on_resume(tmp_path):
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "c")
+    x = torch.randn(3, 2, 3)
+    cache.put(torch.tensor([5, 0, 2]), x, epoch=0)
+    assert cache.file is not None and cache.file.exists()
+    assert cache.file.stat().st_size == 6 * 6 * 4
+    assert torch.equal(cache.get(torch.tensor([5, 0, 2])), x)
+    other = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "c")
+    other.put(torch.tensor([1]), torch.zeros(1, 2, 3), epoch=0)
+    assert other.file != cache.file  # concurrent runs never share a file
+    state = cache.state_dict()
+    assert state["storage"] is None and bool((state["written"] == -1).all())
+    restored = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "c")
+    restored.load_state_dict(state)
+    assert restored.fresh(torch.tensor([5, 0, 2]), epoch=1).tolist() == [False, False, False]
+
+
+def test_in_memory_state_round_trip_and_size_check():
+    cache = AugmentationCache(4, 2)
+    cache.put(torch.tensor([3]), torch.full((1, 2), 7.0), epoch=2)
+    restored = AugmentationCache(4, 2)
+    restored.load_state_dict(cache.state_dict(include_inputs=True))
+    assert torch.equal(restored.get(torch.tensor([3])), torch.full((1, 2), 7.0))
+    with pytest.raises(ValueError, match="same training data"):
+        AugmentationCache(5, 2).load_state_dict(cache.state_dict())
+
+
+def test_checkpoint_state_holds_no_inputs_unless_asked():
+    cache = AugmentationCache(4, 2)
+    cache.put(torch.tensor([3]), torch.full((1, 2), 7.0), epoch=2)
+    state = cache.state_dict()
+    assert state["storage"] is None and bool((state["written"] == -1).all())
+    restored = AugmentationCache(4, 2)
+    restored.load_state_dict(state)
+    assert restored.fresh(torch.tensor([3]), epoch=2).tolist() == [False]  # regenerated after a resume
+
+
+def test_close_deletes_the_memory_mapped_file(tmp_path):
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path)
+    cache.put(torch.tensor([1]), torch.zeros(1, 3), epoch=0)
+    path = cache.file
+    assert path is not None and path.exists()
+    cache.close()
+    assert not path.exists() and cache.file is None
+    assert cache.fresh(torch.tensor([1]), epoch=0).tolist() == [False]
+    cache.close()  # twice is fine
+
+
+def test_an_entry_is_reused_only_for_the_label_it_was_solved_for():
+    cache = AugmentationCache(4, 3)
+    cache.put(torch.tensor([0, 1]), torch.ones(2, 2), epoch=0, labels=torch.tensor([2, 1]))
+    assert cache.fresh(torch.tensor([0, 1]), epoch=1, labels=torch.tensor([2, 0])).tolist() == [True, False]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"every_n_epochs": 0}, "regenerate_every_n_epochs"),
+                                                ({"every_n_epochs": 2, "max_bytes": -1}, "cache.max_bytes")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AugmentationCache(4, **kwargs)
+
+
+def test_a_cache_larger_than_half_the_gpus_free_memory_stays_in_host_memory(monkeypatch):
+    # the check runs before anything is allocated on the GPU, so it is testable without one
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100, 10_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    cache = AugmentationCache(10, 2, device="cuda")
+    with pytest.warns(UserWarning, match="host memory"):
+        cache.put(torch.tensor([1]), torch.ones(1, 4), epoch=0)  # 160 bytes > 100 / 2 free
+    assert cache.storage is not None and cache.storage.device.type == "cpu"
+    assert torch.equal(cache.get(torch.tensor([1])), torch.ones(1, 4))
+
+
+def test_a_checkpointed_store_is_saved_in_host_memory_and_restored_on_the_caches_device():
+    cache = AugmentationCache(4, 2)
+    cache.put(torch.tensor([0, 3]), torch.arange(6.0).view(2, 3), torch.tensor([1, 0]), epoch=0)
+    state = cache.state_dict(include_inputs=True)
+    assert state["storage"].device.type == "cpu" and state["storage"].data_ptr() != cache.storage.data_ptr()
+    restored = AugmentationCache(4, 2, device="cpu")
+    restored.load_state_dict(state)
+    state["storage"].zero_()  # the restored store is a copy
+    assert torch.equal(restored.get(torch.tensor([3])), torch.tensor([[3.0, 4.0, 5.0]]))
+    assert restored.fresh(torch.tensor([0, 3]), 1, torch.tensor([1, 1])).tolist() == [True, False]
+
+
+def test_the_callback_refuses_a_non_bool_cache_on_device():
+    from lpa3_lightning import LPA3Callback
+
+    with pytest.raises(ValueError, match="cache.on_device"):
+        LPA3Callback(cache={"regenerate_every_n_epochs": 2, "on_device": "gpu"})  # type: ignore[arg-type]

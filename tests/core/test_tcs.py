@@ -1,0 +1,388 @@
+"""Tests for lpa3_lightning.core.tcs: time-consistency memory against the authors' formulas."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
+
+# --------------------------------------------------------------------------- references
+
+
+def _ref_code_divergence(prev: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The authors' code: a = F.kl_div(log(prev), p, reduction='none').mean(1)."""
+    return F.kl_div(torch.log(prev), p, reduction="none").mean(1)
+
+
+def _ref_paper_divergence(prev: torch.Tensor, cur: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The paper: KL(prev || cur) + |log prev[y] - log cur[y]|, by hand with loops."""
+    out = []
+    for i in range(prev.shape[0]):
+        kl = sum(float(prev[i, k]) * (math.log(float(prev[i, k])) - math.log(float(cur[i, k])))
+                 for k in range(prev.shape[1]))
+        yi = int(y[i])
+        out.append(kl + abs(math.log(float(prev[i, yi])) - math.log(float(cur[i, yi]))))
+    return torch.tensor(out, dtype=prev.dtype)
+
+
+class _RefTCS:
+    """Plain transcription of the authors' per-sample loop."""
+
+    def __init__(self, n: int, c: int, init: float) -> None:
+        self.mem = torch.full((n, c), init)
+        self.c = torch.zeros(n)
+        self.seen = torch.zeros(n, dtype=torch.bool)
+
+    def update(self, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        a = _ref_code_divergence(self.mem[idx], p)
+        for j, i in enumerate(idx.tolist()):
+            self.c[i] = 0.01 * self.c[i] - 0.99 * a[j]
+            self.mem[i] = p[j]
+            self.seen[i] = True
+        return a
+
+    def threshold(self, ratio: float) -> float:
+        vals = sorted(self.c[self.seen].tolist(), reverse=True)
+        return vals[int(math.floor((1 - ratio) * len(vals)))]
+
+
+def _probs(b: int, c: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(b, c, generator=g) * 2.0, dim=1)
+
+
+# --------------------------------------------------------------------------- initial state
+
+
+def test_uniform_initial_memory_is_a_distribution() -> None:
+    tcs = TimeConsistency(num_samples=5, num_classes=4, ratio=0.5)
+    assert tcs.memory.shape == (5, 4)
+    torch.testing.assert_close(tcs.memory.sum(1), torch.ones(5))
+    torch.testing.assert_close(tcs.memory, torch.full((5, 4), 0.25))
+    assert torch.equal(tcs.scores, torch.zeros(5))
+    assert not tcs.seen.any()
+    assert not tcs.has_threshold
+    assert tcs.device == torch.device("cpu")
+
+
+def test_authors_initial_memory_is_1_01() -> None:
+    tcs = TimeConsistency(num_samples=3, num_classes=4, ratio=0.5, initial_memory="authors")
+    assert torch.equal(tcs.memory, torch.full((3, 4), 1.01))
+
+
+# --------------------------------------------------------------------------- update
+
+
+@pytest.mark.parametrize(("initial_memory", "init"), [("uniform", 1 / 3), ("authors", 1.01)])
+def test_update_matches_reference_over_steps_with_repeated_indices(initial_memory: str, init: float) -> None:
+    n, c = 8, 3
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=0.5, initial_memory=initial_memory)
+    ref = _RefTCS(n, c, init)
+    steps = [
+        torch.tensor([0, 1, 2, 3]),
+        torch.tensor([2, 3, 4, 5]),  # 2, 3 revisited
+        torch.tensor([7, 0, 2]),  # 0, 2 revisited (2 for the third time)
+        torch.tensor([6, 5, 1, 3, 0]),
+    ]
+    for s, idx in enumerate(steps):
+        p = _probs(len(idx), c, seed=s)
+        div = tcs.update(idx, p)
+        ref_div = ref.update(idx, p)
+        torch.testing.assert_close(div, ref_div)
+        torch.testing.assert_close(tcs.scores, ref.c)
+        torch.testing.assert_close(tcs.memory, ref.mem)
+        assert torch.equal(tcs.seen, ref.seen)
+
+
+def test_authors_memory_first_divergence_can_be_negative() -> None:
+    # documents why 1.01 is not a distribution: a confident first prediction gets a < 0
+    tcs = TimeConsistency(num_samples=1, num_classes=2, ratio=0.5, initial_memory="authors")
+    div = tcs.update(torch.tensor([0]), torch.tensor([[0.999, 0.001]]))
+    assert float(div[0]) < 0
+    tcs_u = TimeConsistency(num_samples=1, num_classes=2, ratio=0.5)
+    assert float(tcs_u.update(torch.tensor([0]), torch.tensor([[0.999, 0.001]]))[0]) > 0
+
+
+def test_update_detaches_and_converts_probs() -> None:
+    tcs = TimeConsistency(num_samples=3, num_classes=2, ratio=0.5)
+    logits = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
+    tcs.update(torch.tensor([0, 2], dtype=torch.int32), torch.softmax(logits, 1))
+    assert tcs.memory.dtype == torch.float32 and not tcs.memory.requires_grad
+    assert not tcs.scores.requires_grad
+    assert tcs.seen.tolist() == [True, False, True]
+
+
+def test_tcs_update_formula() -> None:
+    c = torch.tensor([-1.0, 0.0, 2.0])
+    a = torch.tensor([0.5, 0.1, 0.0])
+    torch.testing.assert_close(tcs_update(c, a), 0.01 * c - 0.99 * a)
+    torch.testing.assert_close(tcs_update(c, a, gamma=0.5), 0.5 * c - 0.5 * a)
+    torch.testing.assert_close(tcs_update(c, a, gamma=1.0), -a)
+
+
+def test_code_divergence_is_kl_cur_prev_over_classes() -> None:
+    prev = _probs(4, 5, seed=10)
+    cur = _probs(4, 5, seed=11)
+    expected = (cur * (cur.log() - prev.log())).sum(1) / 5
+    torch.testing.assert_close(tcs_divergence(prev, cur), expected)
+    torch.testing.assert_close(tcs_divergence(prev, cur, divergence="code"), _ref_code_divergence(prev, cur))
+
+
+def test_paper_divergence_matches_hand_reference_with_targets() -> None:
+    prev = _probs(5, 4, seed=1).double()
+    cur = _probs(5, 4, seed=2).double()
+    y = torch.tensor([0, 3, 1, 2, 3])
+    out = tcs_divergence(prev, cur, targets=y, divergence="paper")
+    torch.testing.assert_close(out, _ref_paper_divergence(prev, cur, y))
+
+
+def test_paper_divergence_defaults_to_previous_argmax() -> None:
+    prev = _probs(5, 4, seed=3).double()
+    cur = _probs(5, 4, seed=4).double()
+    out = tcs_divergence(prev, cur, divergence="paper")
+    torch.testing.assert_close(out, _ref_paper_divergence(prev, cur, prev.argmax(1)))
+    # a different label changes the |log ratio| term
+    other = (prev.argmax(1) + 1) % 4
+    assert not torch.allclose(out, tcs_divergence(prev, cur, targets=other, divergence="paper"))
+
+
+def test_paper_divergence_in_memory_with_targets() -> None:
+    n, c = 4, 3
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=0.5, divergence="paper")
+    mem = torch.full((n, c), 1 / c)
+    scores = torch.zeros(n)
+    for s, (idx, y) in enumerate([([0, 1, 2], [0, 1, 2]), ([1, 3, 2], [2, 2, 0])]):
+        idx_t, y_t = torch.tensor(idx), torch.tensor(y)
+        p = _probs(len(idx), c, seed=20 + s)
+        div = tcs.update(idx_t, p, targets=y_t)
+        ref = _ref_paper_divergence(mem[idx_t].double(), p.double(), y_t).float()
+        torch.testing.assert_close(div, ref)
+        scores[idx_t] = 0.01 * scores[idx_t] - 0.99 * ref
+        mem[idx_t] = p
+        torch.testing.assert_close(tcs.scores, scores)
+
+
+def test_divergence_errors() -> None:
+    with pytest.raises(ValueError, match=r"must both be \(N, C\)"):
+        tcs_divergence(torch.rand(2, 3), torch.rand(2, 4))
+    with pytest.raises(ValueError, match=r"must both be \(N, C\)"):
+        tcs_divergence(torch.rand(3), torch.rand(3))
+    with pytest.raises(ValueError, match="'code' or 'paper'.*'js'"):
+        tcs_divergence(torch.rand(2, 3), torch.rand(2, 3), divergence="js")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def test_select_before_threshold_is_all_true_with_the_authors_initial_selection() -> None:
+    tcs = TimeConsistency(num_samples=6, num_classes=3, ratio=0.3, initial_selection="all")
+    assert tcs.select(torch.arange(6)).tolist() == [True] * 6
+    tcs.update(torch.arange(6), _probs(6, 3, seed=0))
+    assert tcs.select(torch.tensor([5, 0, 3])).tolist() == [True] * 3  # updated but not refreshed
+    tcs.refresh_threshold()
+    assert not tcs.select(torch.arange(6)).all()
+
+
+def test_refresh_without_seen_samples_keeps_the_initial_selection() -> None:
+    tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5, initial_selection="all")
+    tcs.refresh_threshold()
+    assert not tcs.has_threshold
+    assert tcs.select(torch.arange(4)).all()
+    random = TimeConsistency(num_samples=40, num_classes=2, ratio=0.25)
+    random.refresh_threshold()
+    assert int(random.select(torch.arange(40)).sum()) == 10  # a random quarter, not everything
+
+
+def test_random_initial_selection_until_the_first_threshold() -> None:
+    tcs = TimeConsistency(num_samples=40, num_classes=3, ratio=0.25, seed=3)
+    first = tcs.select(torch.arange(40), epoch=0)
+    assert int(first.sum()) == 10
+    assert torch.equal(first[torch.tensor([7, 2, 30])], tcs.select(torch.tensor([7, 2, 30]), epoch=0))
+    tcs.update(torch.arange(40), _probs(40, 3, seed=0))
+    tcs.refresh_threshold()
+    after = tcs.select(torch.arange(40), epoch=1)
+    assert int(after.sum()) == 10
+    assert torch.equal(after, tcs.scores < tcs.threshold)  # from now on by TCS
+
+
+@pytest.mark.parametrize("ratio", [0.2, 0.5, 0.9])
+def test_selection_after_refresh_matches_reference(ratio: float) -> None:
+    n, c = 20, 4
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=ratio, threshold_rule="authors")
+    ref = _RefTCS(n, c, 1 / c)
+    for epoch in range(3):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
+        for s, idx in enumerate(perm.split(6)):
+            p = _probs(len(idx), c, seed=100 * epoch + s)
+            tcs.update(idx, p)
+            ref.update(idx, p)
+        tcs.refresh_threshold()
+        thr = ref.threshold(ratio)
+        assert tcs.has_threshold
+        torch.testing.assert_close(tcs.threshold, torch.tensor(thr))
+        idx = torch.arange(n)
+        expected = ref.c < thr
+        assert torch.equal(tcs.select(idx), expected)
+        # and in a shuffled subset order
+        sub = torch.tensor([19, 3, 7, 0])
+        assert torch.equal(tcs.select(sub), expected[sub])
+        # the least consistent ~ratio fraction is selected
+        assert int(expected.sum()) == n - int(math.floor((1 - ratio) * n)) - 1
+
+
+def test_threshold_only_over_seen_samples() -> None:
+    n, c = 10, 3
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=0.5, threshold_rule="authors")
+    ref = _RefTCS(n, c, 1 / c)
+    idx = torch.tensor([1, 4, 6, 8])
+    p = _probs(4, c, seed=5)
+    tcs.update(idx, p)
+    ref.update(idx, p)
+    tcs.refresh_threshold()
+    seen_thr = ref.threshold(0.5)
+    all_scores = sorted(ref.c.tolist(), reverse=True)
+    all_thr = all_scores[int(math.floor(0.5 * n))]
+    assert seen_thr != pytest.approx(all_thr)  # the fixture distinguishes the two
+    torch.testing.assert_close(tcs.threshold, torch.tensor(seen_thr))
+    assert torch.equal(tcs.select(idx), ref.c[idx] < seen_thr)
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def test_state_dict_round_trip_reproduces_state_and_selection() -> None:
+    n, c = 12, 3
+    tcs = TimeConsistency(num_samples=n, num_classes=c, ratio=0.4)
+    for s in range(3):
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(s))[:8]
+        tcs.update(idx, _probs(8, c, seed=s))
+    tcs.refresh_threshold()
+    buf = io.BytesIO()
+    torch.save(tcs.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf)
+
+    fresh = TimeConsistency(num_samples=n, num_classes=c, ratio=0.4)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.memory, tcs.memory)
+    assert torch.equal(fresh.scores, tcs.scores)
+    assert torch.equal(fresh.seen, tcs.seen)
+    assert torch.equal(fresh.threshold, tcs.threshold)
+    assert fresh.has_threshold
+    idx = torch.arange(n)
+    assert torch.equal(fresh.select(idx), tcs.select(idx))
+    # continuing from the restored state gives the same results
+    more_idx, more_p = torch.tensor([0, 5, 11]), _probs(3, c, seed=99)
+    torch.testing.assert_close(fresh.update(more_idx, more_p), tcs.update(more_idx, more_p))
+    assert torch.equal(fresh.scores, tcs.scores)
+
+
+def test_state_dict_is_a_snapshot() -> None:
+    tcs = TimeConsistency(num_samples=3, num_classes=2, ratio=0.5)
+    state = tcs.state_dict()
+    tcs.update(torch.tensor([0]), torch.tensor([[0.9, 0.1]]))
+    assert torch.equal(state["memory"], torch.full((3, 2), 0.5))
+    assert torch.equal(state["scores"], torch.zeros(3))
+    assert not state["seen"].any()
+
+
+def test_load_state_for_other_num_samples_raises() -> None:
+    state = TimeConsistency(num_samples=5, num_classes=3, ratio=0.5).state_dict()
+    other = TimeConsistency(num_samples=6, num_classes=3, ratio=0.5)
+    with pytest.raises(ValueError, match=r"for 5 samples.*data set"):
+        other.load_state_dict(state)
+    other_c = TimeConsistency(num_samples=5, num_classes=4, ratio=0.5)
+    with pytest.raises(ValueError, match=r"3 classes.*data set"):
+        other_c.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- input validation
+
+
+@pytest.mark.parametrize(
+    ("indices", "match"),
+    [
+        (torch.tensor([0, 4]), r"out of range.*\[0, 4\].*4 samples"),
+        (torch.tensor([-1, 2]), r"out of range.*\[-1, 2\]"),
+        (torch.tensor([0.0, 1.0]), "1-D integer tensor"),
+        (torch.tensor([[0, 1]]), "1-D integer tensor"),
+        ([0, 1], "1-D integer tensor"),
+    ],
+)
+def test_bad_indices_raise(indices, match: str) -> None:
+    tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
+    with pytest.raises(ValueError, match=match):
+        tcs.update(indices, torch.full((2, 2), 0.5))
+    with pytest.raises(ValueError, match=match):
+        tcs.select(indices)
+    assert not tcs.seen.any()
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3, 2), (2,), (2, 2, 1)])
+def test_wrong_probs_shape_raises(shape: tuple[int, ...]) -> None:
+    tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
+    with pytest.raises(ValueError, match=r"`probs` must have shape \(2, 2\)"):
+        tcs.update(torch.tensor([0, 1]), torch.rand(*shape))
+    assert not tcs.seen.any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0}, "`ratio`"),
+        ({"ratio": 1.5}, "`ratio`"),
+        ({"ratio": -0.2}, "`ratio`"),
+        ({"num_classes": 1}, "`num_classes` must be an int >= 2"),
+        ({"num_samples": 0}, "`num_samples` must be a positive int"),
+        ({"num_samples": 4.0}, "`num_samples` must be a positive int"),
+        ({"gamma": 0}, r"`gamma` must be in \(0, 1\]"),
+        ({"gamma": 1.2}, r"`gamma` must be in \(0, 1\]"),
+        ({"divergence": "js"}, "`divergence` must be 'code' or 'paper'"),
+        ({"initial_memory": "zeros"}, "`initial_memory` must be 'uniform' or 'authors'"),
+    ],
+)
+def test_bad_constructor_args_raise(kwargs: dict, match: str) -> None:
+    args = {"num_samples": 4, "num_classes": 3, "ratio": 0.5} | kwargs
+    with pytest.raises(ValueError, match=match):
+        TimeConsistency(**args)
+
+
+def test_bool_indices_rejected() -> None:
+    tcs = TimeConsistency(num_samples=4, num_classes=2, ratio=0.5)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        tcs.update(torch.tensor([True, False, True, True]), torch.full((4, 2), 0.5))
+
+
+def test_update_with_keep_equals_updating_the_kept_rows_only() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = TimeConsistency(10, 3, 0.5), TimeConsistency(10, 3, 0.5)
+    for _ in range(3):
+        indices = torch.randperm(10, generator=g)[:6]
+        probs = torch.softmax(torch.randn(6, 3, generator=g), 1)
+        keep = torch.rand(6, generator=g) > 0.4
+        a.update(indices[keep], probs[keep])
+        b.update(indices, probs, keep=keep, check_values=False)
+    assert torch.equal(a.memory, b.memory) and torch.equal(a.scores, b.scores) and torch.equal(a.seen, b.seen)
+
+
+def test_select_and_has_threshold_read_no_tensor_value_on_the_host() -> None:
+    from lpa3_lightning.core.host_reads import HostReadCounter
+
+    tcs = TimeConsistency(12, 3, 0.5)
+    tcs.update(torch.arange(12), torch.softmax(torch.randn(12, 3), 1))
+    tcs.update(torch.arange(12), torch.softmax(torch.randn(12, 3), 1))
+    before = tcs.select(torch.arange(12), epoch=0, check_values=False)
+    assert int(before.sum()) == 6  # the random share
+    tcs.refresh_threshold()
+    with HostReadCounter() as reads:
+        has = tcs.has_threshold
+        chosen = tcs.select(torch.arange(12), epoch=1, check_values=False)
+    assert reads.total == 0 and has
+    assert torch.equal(chosen, tcs.scores < tcs.threshold)
+    tcs.threshold = torch.tensor(float("nan"))  # assigning the threshold updates the host flag
+    assert not tcs.has_threshold

@@ -1,0 +1,48 @@
+"""The README as a user meets it: every Python block runs as written, every command names a make
+target, config or example that exists, and every relative link of the README and docs/ resolves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+PYTHON = [code for lang, code in BLOCKS if lang == "python"]
+#: what each Python block prints that shows it did its job (in the README's order)
+PRINTS = [r"'lpa3/selected_fraction_epoch': 0\.[0-9]*[1-9]", r"^1\.0 10 authors$", None, None]
+
+
+def test_the_readme_has_the_blocks_this_test_knows():
+    assert len(PYTHON) == len(PRINTS), "a Python block was added or removed: update PRINTS"
+    assert len(README.splitlines()) <= 250
+
+
+@pytest.mark.parametrize("position", range(len(PRINTS)))
+def test_each_python_block_runs_as_written(position, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # what a block writes (logs, checkpoints) lands here
+    exec(compile(PYTHON[position], f"README.md python block {position}", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out
+    if PRINTS[position] is not None:
+        assert re.search(PRINTS[position], printed, flags=re.M), printed[-2000:]
+
+
+def test_every_command_names_what_exists():
+    make_targets = set(re.findall(r"^([a-z]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    commands = "\n".join(code for lang, code in BLOCKS if lang == "bash") + " ".join(re.findall(r"`[^`]+`", README))
+    for target in re.findall(r"(?:^|`)make ([a-z]+)\b", commands, flags=re.M):
+        assert target in make_targets, target
+    for path in set(re.findall(r"\b((?:configs|examples|benchmarks|tests)/[\w/.-]+\.(?:yaml|py))\b", README)):
+        assert (ROOT / path).is_file(), path
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_every_relative_link_resolves(doc):
+    path = ROOT / doc
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        if "://" in target:
+            continue
+        assert (path.parent / target).exists(), f"{doc}: {target}"
