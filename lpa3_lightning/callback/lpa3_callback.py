@@ -277,9 +277,12 @@ class LPA3Callback(Callback):
         self._teardown(pl_module)
 
     def _teardown(self, pl_module: pl.LightningModule) -> None:
-        # the twin anchor is for the DDP fit only; a file cache is deleted with its run
+        # the twin anchor is for the DDP fit only; a file cache is deleted with its run. The
+        # module's own networks, not the runners: a fit that failed before setup (a missing data
+        # file) has no runner per network yet, and the error must stay the user's.
         if callable(getattr(pl_module, "lpa3_model", None)):
-            for _, module in self._each(pl_module):
+            names = module_networks(pl_module)
+            for module in [pl_module] if names is None else [NetworkView(pl_module, name) for name in names]:
                 anchor_twin_parameters(unwrap_compiled(module.lpa3_model()), False)
         for runner in self._runners.values():
             runner.teardown()

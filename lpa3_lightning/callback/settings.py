@@ -20,6 +20,7 @@ a group from nested YAML keys::
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -145,6 +146,8 @@ class CacheSettings:
         _check_int("cache", "regenerate_every_n_epochs", self.regenerate_every_n_epochs, 1,
                    "use 1 (no reuse) or e.g. 10 (the paper's appendix).")
         _check_int("cache", "max_bytes", self.max_bytes, 0, "use e.g. 2**30 (1 GiB).")
+        if isinstance(self.dir, os.PathLike):
+            object.__setattr__(self, "dir", os.fspath(self.dir))  # a Path is kept as its string
         if self.dir is not None and not isinstance(self.dir, str):
             raise ValueError(f"`cache.dir` must be a folder path or None, got {self.dir!r}.")
         for name in ("attack_new_selections", "on_device", "in_checkpoint"):
@@ -241,7 +244,8 @@ def moved_setting(name: str) -> str:
 
 
 def as_group(group: str, value: Any, preset: str) -> Any:
-    """A group's settings from None (the preset's), a dataclass or a mapping (its fields).
+    """A group's settings from None (the preset's), a dataclass or a mapping (its fields), over the
+    preset's: a mapping sets the keys it names, a dataclass the fields it changes from their defaults.
 
     Raises:
         ValueError: for another type or a mapping with a key the group does not have, naming it.
@@ -250,7 +254,13 @@ def as_group(group: str, value: Any, preset: str) -> Any:
     if value is None:
         return PRESETS[preset].get(group, cls())
     if isinstance(value, cls):
-        return value
+        # the fields it changes from the defaults, over the preset's (LightningCLI builds a group
+        # from YAML as a dataclass: `preset: authors` with `solver: {max_step: 1.0}` keeps the
+        # authors' other solver switches, as the same mapping does in Python)
+        default = cls()
+        changed = {f.name: getattr(value, f.name) for f in fields(cls)
+                   if getattr(value, f.name) != getattr(default, f.name)}
+        return replace(PRESETS[preset].get(group, default), **changed)
     if isinstance(value, Mapping):
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)

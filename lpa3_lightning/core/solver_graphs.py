@@ -30,7 +30,7 @@ the eager padded solve's ``x'`` (``tests/test_gpu.py``, deterministic cuDNN), cu
 launches of an LP-A3 step from 3,172 to 1,498 and its steady-state time by half under the
 profiler; but every new padded size costs a capture (two eager warm-up solves first), so a
 3-epoch run was slower, and the graphs' buffers raised peak memory by a quarter. It is worth it
-in long runs; ``LPA3Callback(cuda_graphs=False)`` stays the default until a long run is measured.
+in long runs; ``LPA3Callback(runtime={"cuda_graphs": False})`` stays the default until a long run is measured.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class SolverGraphs:
     """CUDA graphs of the sync-free solve, keyed by padded batch size, settings and model memory.
 
     Used through ``lpa3_attack(..., sync_free=True, graphs=SolverGraphs())`` or
-    ``LPA3Callback(cuda_graphs=True)``; one object per model (it holds the graphs' memory until
+    ``LPA3Callback(runtime={"cuda_graphs": True})``; one object per model (it holds the graphs' memory until
     :meth:`reset` or deletion).
 
     Args:
@@ -235,7 +235,7 @@ class SolverGraphs:
             except Exception as exc:
                 raise RuntimeError(
                     "The LP-A3 solver could not be captured as a CUDA graph (its forward may read a value on the "
-                    "host, copy from the host, or branch on data). Fix: LPA3Callback(cuda_graphs=False), or "
+                    "host, copy from the host, or branch on data). Fix: LPA3Callback(runtime={'cuda_graphs': False}), or "
                     "graphs=None in lpa3_attack."
                 ) from exc
             buffers.graph, buffers.outputs = graph, outputs

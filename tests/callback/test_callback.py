@@ -305,7 +305,7 @@ def test_a_former_keyword_names_its_new_group(name, group, field):
         LPA3Callback(**{name: 1})
 
 
-def test_groups_take_dataclasses_or_mappings_over_the_preset():
+def test_groups_take_dataclasses_or_mappings_over_the_preset(tmp_path):
     from lpa3_lightning.callback import CacheSettings, SolverSettings
 
     by_class = LPA3Callback(cache=CacheSettings(regenerate_every_n_epochs=3), solver=SolverSettings(max_step=0.5))
@@ -319,6 +319,10 @@ def test_groups_take_dataclasses_or_mappings_over_the_preset():
     # a mapping changes the preset's group only where it says
     mixed = LPA3Callback(preset="authors", solver={"max_step": 1.0})
     assert (mixed.solver.project, mixed.solver.max_step) == (False, 1.0)
+    # so does a dataclass (as LightningCLI builds a group from YAML): the fields it changes
+    by_dataclass = LPA3Callback(preset="authors", solver=SolverSettings(max_step=1.0))
+    assert by_dataclass.solver == mixed.solver
+    assert LPA3Callback(cache={"dir": tmp_path}).cache_settings.dir == str(tmp_path)  # a Path is accepted
 
 
 class NoProtocol(pl.LightningModule):

@@ -23,7 +23,7 @@ def _instantiate(config: Path, *overrides: str) -> LPA3CLI:
     ("name", "ratio", "randaugment"),
     [("baseline", None, False), ("randaugment", None, True), ("lpa3_tau0.2", 0.2, False),
      ("lpa3_tau0.5", 0.5, False), ("lpa3_tau0.9", 0.9, False), ("lpa3_maxstep1", 0.5, False),
-     ("demo_breastmnist_lpa3", 0.3, False)],
+     ("demo_breastmnist_lpa3", 0.2, False)],
 )
 def test_each_config_builds_the_paper_setting(name, ratio, randaugment, tmp_path):
     cli = _instantiate(CONFIGS / f"{name}.yaml", f"--trainer.default_root_dir={tmp_path}",
