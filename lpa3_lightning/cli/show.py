@@ -65,6 +65,7 @@ def _solver_settings(checkpoint: dict[str, Any], network: str | None) -> tuple[d
 def _images(checkpoint: dict[str, Any], root: str | None, split: str, num: int) -> tuple[Any, str, dict]:
     """``(x, y)`` of the first ``num`` images of ``split``, the data set's name and normalisation."""
     from lpa3_lightning.data import MedMNISTDataModule, SemiSupervisedDataModule
+    from lpa3_lightning.data.ssl_sources import source_facts
 
     data_hparams = checkpoint.get("datamodule_hyper_parameters", {})
     root = root or data_hparams.get("root")
@@ -75,7 +76,7 @@ def _images(checkpoint: dict[str, Any], root: str | None, split: str, num: int) 
         dataset = {"train": data.train_dataset, "val": data.val_dataset, "test": data.test_dataset}[split]
     else:  # the semi-supervised and noisy-label modules' image source, in its evaluation view
         name = data_hparams["source"]
-        facts = SemiSupervisedDataModule._facts(name)
+        facts = source_facts(name)
         data = SemiSupervisedDataModule(name, root=root, num_labels=int(facts["num_classes"]))
         data.setup("fit" if split in ("train", "val") else "test")
         if split == "train":

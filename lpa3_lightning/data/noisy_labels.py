@@ -25,6 +25,7 @@ from lpa3_lightning.data.label_split import check_int
 from lpa3_lightning.data.semi_supervised import SEMI_SUPERVISED_SOURCES, SemiSupervisedDataModule
 from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.ssl_datasets import ImageArrays, dataset_position
+from lpa3_lightning.data.ssl_sources import source_facts, validate_source
 from lpa3_lightning.data.ssl_transforms import PADDING_MODES
 
 __all__ = ["NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset"]
@@ -291,5 +292,5 @@ class NoisyLabelDataModule(pl.LightningDataModule):
 
 def _facts_classes(source: str) -> int:
     """Number of classes of ``source`` (validated by the semi-supervised module's own check)."""
-    SemiSupervisedDataModule._validate_source(source)
-    return int(SemiSupervisedDataModule._facts(source)["num_classes"])
+    validate_source(source)
+    return int(source_facts(source)["num_classes"])

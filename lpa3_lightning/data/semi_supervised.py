@@ -163,7 +163,7 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         strong_augment: str = "fixmatch",
     ) -> None:
         super().__init__()
-        self._validate_source(source)
+        validate_source(source)
         if strong_augment not in STRONG_AUGMENTS:
             raise ValueError(f"`strong_augment` must be one of {STRONG_AUGMENTS}, got {strong_augment!r}. Fix: use "
                              "'fixmatch' (FixMatch's RandAugment and 16 px Cutout, the reference) or 'torchvision'.")
@@ -175,7 +175,7 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
         if split_file is not None and not isinstance(split_file, (str, os.PathLike)):
             raise ValueError(f"`split_file` must be a file path or None, got {type(split_file).__name__}. "
                              "Fix: pass a str such as 'splits/mnist5k_40_seed0.json'.")
-        facts = self._facts(source)
+        facts = source_facts(source)
         check_num_labels(num_labels, facts["num_classes"])
         check_int("seed", seed, 0, "pass a non-negative integer seed, e.g. 0.")
         check_int("batch_size", batch_size, 1, "pass the labeled batch size, e.g. batch_size=64.")
@@ -219,14 +219,6 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------
     # Metadata (available before setup)
     # ------------------------------------------------------------------
-    @staticmethod
-    def _validate_source(source: Any) -> None:
-        validate_source(source)
-
-    @staticmethod
-    def _facts(source: str) -> dict[str, Any]:
-        return source_facts(source)
-
     @property
     def num_classes(self) -> int:
         """Number of classes."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -211,10 +210,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         self.dividemix_begin_epoch(epoch, loader)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        batches = self.trainer.num_training_batches
-        per_epoch = int(batches) if math.isfinite(batches) else 1
         total = None
-        for name, (loss, parts) in self.dividemix_losses(batch, batch_idx, per_epoch).items():
+        for name, (loss, parts) in self.dividemix_losses(batch, batch_idx).items():  # (ramp: trainer's batches)
             total = loss if total is None else total + loss
             for key, value in parts.items():
                 self.log(f"train/{name}/{key}", value.float())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -179,8 +178,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
                 sgd.optimizer.state.pop(p, None)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        batches = self.trainer.num_training_batches
-        loss, parts = self.pes_loss(batch, batch_idx, int(batches) if math.isfinite(batches) else 1)
+        loss, parts = self.pes_loss(batch, batch_idx)  # the ramp-up reads the trainer's batches per epoch
         sgd, adam = self.optimizers()  # type: ignore[misc]
         phase = self.pes_phase(self.current_epoch)
         # refine: every parameter gets its gradient (DDP needs them all in the graph), Adam
