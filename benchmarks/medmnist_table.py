@@ -58,8 +58,9 @@ def result_path(out: Path, flag: str, method: str, epochs: int, seed: int) -> Pa
 
 
 def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path, accelerator: str = "cpu",
-        stop_at: float | None = None) -> dict:
-    """One training run; ``stop_at`` (a ``time.time()``) ends it early, leaving a partial file."""
+        stop_at: float | None = None, limit_train_batches: int | None = None) -> dict:
+    """One training run; ``stop_at`` (a ``time.time()``) ends it early, leaving a partial file;
+    ``limit_train_batches`` shortens each epoch (smoke runs of the harness, not results)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -128,7 +129,7 @@ def run(flag: str, root: str, method: str, seed: int, epochs: int, out: Path, ac
         callbacks.insert(0, LPA3Callback(sigma=0.02, steps=5, seed=seed, **lpa3_args))
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0)
+                         limit_val_batches=0, num_sanity_val_steps=0, limit_train_batches=limit_train_batches)
     on_gpu = trainer.strategy.root_device.type == "cuda"
     device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if on_gpu else "cpu"
     trainer.fit(module, datamodule=data)
@@ -286,6 +287,8 @@ def main() -> None:
                         help="seconds from now after which no run starts and running ones stop after their epoch")
     parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # flag method seed
     parser.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-train-batches", type=int, default=None,
+                        help="at most this many training batches an epoch (a smoke run of the harness)")
     args = parser.parse_args()
     if args.jobs < 1:
         sys.exit(f"--jobs must be >= 1, got {args.jobs}")
@@ -293,7 +296,8 @@ def main() -> None:
     apply_threads(args.threads)
     if args.worker:
         flag, method, seed = args.worker
-        run(flag, args.root, method, int(seed), budget[flag], args.out, args.accelerator, args.stop_at)
+        run(flag, args.root, method, int(seed), budget[flag], args.out, args.accelerator, args.stop_at,
+            args.limit_train_batches)
         return
     stop_at = None if args.deadline is None else time.time() + args.deadline
     # the order is the priority under a deadline: every seed of a flag before the next flag
@@ -303,7 +307,8 @@ def main() -> None:
             if stop_at is not None and time.time() > stop_at:
                 break
             start = time.perf_counter()
-            r = run(flag, args.root, method, seed, budget[flag], args.out, args.accelerator, stop_at)
+            r = run(flag, args.root, method, seed, budget[flag], args.out, args.accelerator, stop_at,
+                    args.limit_train_batches)
             print(f"{flag} {method} seed {seed}: test acc {r['test_acc']:.3f} auc {r['test_auc']:.3f} "
                   f"(best val epoch {r['best_epoch']}, {time.perf_counter() - start:.0f} s)", flush=True)
     else:
@@ -316,7 +321,7 @@ def main() -> None:
                 cmd = worker_command(__file__, job, {
                     "--epochs": args.epochs, "--flags": args.flags, "--root": args.root, "--out": args.out,
                     "--accelerator": args.accelerator, "--flag-epochs": args.flag_epochs, "--threads": args.threads,
-                    "--stop-at": stop_at})
+                    "--stop-at": stop_at, "--limit-train-batches": args.limit_train_batches})
                 running.append((subprocess.Popen(cmd, cwd=ROOT), job))
             if stop_at is not None and time.time() >= stop_at:
                 queue.clear()

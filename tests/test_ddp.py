@@ -30,9 +30,9 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
 #: the runs that end normally, made one after the other in one launch of two processes (their
 #: start-up is most of a short run's time); the runs that must fail (a refusal on one rank) and
 #: the one whose whole log is read get their own launch
-SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
-                "padded+sync_free", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
-                "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid")
+SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "ignore_aug+replicated", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
+                "padded+sync_free", "padded+replicated", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
+                "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid", "user_module")
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,20 @@ def shared(tmp_path_factory) -> Path:
     done = subprocess.run([sys.executable, str(SCRIPT), str(out), ",".join(SHARED_MODES)], capture_output=True,
                           text=True, timeout=1200, cwd=SCRIPT.parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (out / "log.txt").write_text(done.stdout + done.stderr)
     return out
 
 
 def _results(shared: Path, mode: str) -> tuple[dict, dict]:
     return tuple(torch.load(shared / mode / f"rank{r}.pt", weights_only=False) for r in (0, 1))  # type: ignore[return-value]
+
+
+def _same_on_both_ranks(tcs0: dict, tcs1: dict) -> None:
+    """Scores, seen flags and threshold equal on both ranks; the stored predictions split over them
+    (sharded, the default under DDP: rank 0's state assembles them all, rank 1's has none)."""
+    for key in ("scores", "seen", "threshold"):
+        assert torch.equal(tcs0[key], tcs1[key]) or bool(tcs0[key].isnan().all() & tcs1[key].isnan().all()), key
+    assert tcs0["memory"] is not None and tcs1["memory"] is None
 
 
 def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeConsistency]:
@@ -85,8 +94,7 @@ def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeCons
 @pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
 def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shared, path):
     rank0, rank1 = _results(shared, "ignore_aug" + path)
-    for key in ("memory", "scores", "seen", "threshold"):
-        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     assert bool(rank0["tcs"]["seen"].all())
 
     masks, reference = _single_process_reference()
@@ -100,12 +108,30 @@ def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shar
 
     # rank 0 wrote the checkpoint: it holds the synced memory
     saved = torch.load(shared / ("ignore_aug" + path) / "final.ckpt", weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
-    assert torch.equal(saved["memory"], rank1["tcs"]["memory"])
+    assert torch.equal(saved["memory"], rank0["tcs"]["memory"])
+
+
+@pytest.mark.parametrize("mode", ["ignore_aug", "padded"])
+def test_the_sharded_memory_runs_the_same_fit_as_the_replicated_one(shared, mode):
+    """Under DDP each rank keeps half the stored predictions: the same selections, memory (as rank
+    0 assembles it), scores and weights as the run where every rank keeps all of them."""
+    sharded, replicated = _results(shared, mode), _results(shared, mode + "+replicated")
+    for rank in (0, 1):
+        assert len(sharded[rank]["steps"]) == len(replicated[rank]["steps"])
+        for (idx_a, a), (idx_b, b) in zip(sharded[rank]["steps"], replicated[rank]["steps"]):
+            assert torch.equal(idx_a, idx_b) and torch.equal(a, b), rank
+        assert sharded[rank]["applied"] == replicated[rank]["applied"]
+        for key, value in sharded[rank]["params"].items():
+            assert torch.equal(value, replicated[rank]["params"][key]), key
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(sharded[0]["tcs"][key], replicated[0]["tcs"][key]), key
+    assert torch.equal(replicated[1]["tcs"]["memory"], replicated[0]["tcs"]["memory"])  # (whole on both)
+    assert sum(int(m.sum()) for _, m in sharded[0]["steps"]) > 0
 
 
 def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(shared):
     rank0, rank1 = _results(shared, "supervised")
-    assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
+    _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     for key in rank0["params"]:  # DDP kept the replicas equal, twins included
         assert torch.equal(rank0["params"][key], rank1["params"][key]) or "running" in key or "tracked" in key, key
     assert sum(int(m.sum()) for _, m in rank0["steps"]) > 0
@@ -120,7 +146,7 @@ def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(shared, path):
     rank0, rank1 = _results(shared, "empty_rank1" + path)
     # seen from the modules: rank 1 trained on no x', rank 0 did (its harness empties rank 1's selection)
     assert sum(rank1["seen_augmented"]) == 0 and sum(rank0["seen_augmented"]) > 0
-    assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
+    _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     twin_keys = [k for k in rank0["params"] if ".twin." in k and k.endswith(("weight", "bias"))]
     assert twin_keys and all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in twin_keys)
 
@@ -128,7 +154,7 @@ def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(shared, path):
 @pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
 def test_padded_duplicates_update_each_sample_once_an_epoch(shared, path):
     rank0, rank1 = _results(shared, "padded" + path)
-    assert torch.equal(rank0["tcs"]["memory"], rank1["tcs"]["memory"])
+    _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     assert rank0["applied"] == {epoch: N_PADDED for epoch in range(EPOCHS)}
 
 
@@ -149,15 +175,13 @@ def test_gather_is_a_no_op_in_one_process_and_dedup_keeps_first():
     assert bytes_per_sample(10) == 8 + 40 + 8
 
 
-def test_a_user_written_module_trains_through_warmup_under_ddp(tmp_path):
+def test_a_user_written_module_trains_through_warmup_under_ddp(shared):
     """The README recipe has no twin anchor of its own: the callback ties the twins into every
     step, so the warm-up (no x' anywhere) does not fail with unused parameters."""
-    done = _run(tmp_path, "user_module")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # the callback's per-epoch logs are torchmetrics aggregates synced across ranks: no Lightning
-    # warning asks for sync_dist=True
-    assert "sync_dist=True" not in done.stdout + done.stderr
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    # warning asks for sync_dist=True (in the log of every shared run)
+    assert "sync_dist=True" not in (shared / "log.txt").read_text()
+    rank0, rank1 = _results(shared, "user_module")
     for state in (rank0, rank1):
         assert state["seen_augmented"][: N // (2 * PER_RANK_BATCH)] == [0] * (N // (2 * PER_RANK_BATCH))
         assert sum(state["seen_augmented"]) > 0  # after the warm-up x' was trained
@@ -179,8 +203,7 @@ def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
 
 def test_fixmatch_under_ddp_keeps_one_tcs_memory_over_the_unlabeled_set(shared):
     rank0, rank1 = _results(shared, "fixmatch")
-    for key in ("memory", "scores", "seen", "threshold"):
-        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     assert rank0["tcs"]["num_samples"] == 64 and bool(rank0["tcs"]["seen"].all())  # both ranks' samples applied
     assert sum(p["num_augmented"] for p in rank0["parts"] + rank1["parts"]) > 0
 
@@ -189,8 +212,7 @@ def test_dividemix_keeps_two_memories_each_identical_on_both_ranks(shared):
     rank0, rank1 = _results(shared, "dividemix")
     assert set(rank0["tcs"]) == {"net1", "net2"}
     for name in ("net1", "net2"):
-        for key in ("memory", "scores", "seen", "threshold"):
-            assert torch.equal(rank0["tcs"][name][key], rank1["tcs"][name][key]), (name, key)
+        _same_on_both_ranks(rank0["tcs"][name], rank1["tcs"][name])
         assert bool(rank0["tcs"][name]["seen"].all())  # both ranks' samples applied to each memory
         assert torch.equal(rank0["clean_prob"][name], rank1["clean_prob"][name])  # one split everywhere
         cache0, cache1 = rank0["cache"][name], rank1["cache"][name]
@@ -218,8 +240,7 @@ def test_pes_splits_the_same_way_on_both_ranks_through_all_three_phases(shared):
     rank0, rank1 = _results(shared, "pes")
     assert torch.equal(rank0["labeled"], rank1["labeled"])  # the agreement split, all-reduced
     assert 0 < int(rank0["labeled"].sum()) < N
-    for key in ("memory", "scores", "seen", "threshold"):
-        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     for key, value in rank0["params"].items():  # the refine phase's partial update kept the replicas equal
         assert torch.allclose(value, rank1["params"][key], atol=1e-6), key
     assert rank0["metrics"]["lpa3/selected_fraction_epoch"] > 0

@@ -6,8 +6,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lpa3_lightning.core.distributed import gather_predictions
+from lpa3_lightning.core.checks import check_dataset_indices
+from lpa3_lightning.core.distributed import deduplicate_first, gather_predictions
+from lpa3_lightning.core.shard_exchange import gather_row_facts, route_to_owners
 from lpa3_lightning.core.tcs import TimeConsistency
+from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
 
 __all__ = ["MemoryFeed"]
 
@@ -33,6 +36,9 @@ class MemoryFeed:
     def feed(self, indices: Tensor, logits: Tensor, targets: Tensor | None, temperature: float, epoch: int) -> None:
         """Apply every process's predictions of this step (gathered: the memory stays identical on every rank)."""
         probs = torch.softmax(logits.float() / temperature, dim=1)
+        if isinstance(self.memory, ShardedTimeConsistency):
+            self._feed_shards(self.memory, indices.to(probs.device), probs, targets, epoch)
+            return
         indices, probs, targets = gather_predictions(indices.to(probs.device), probs,
                                                      None if targets is None else targets.to(probs.device))
         self.rows_recorded += int(indices.shape[0])  # (a shape: no host read)
@@ -55,6 +61,29 @@ class MemoryFeed:
         self.last_update_epoch[indices[keep]] = epoch
         keep_dev = keep.to(probs.device)
         memory.update(indices[keep], probs[keep_dev], None if targets is None else targets[keep_dev])
+
+    def _feed_shards(self, memory: ShardedTimeConsistency, indices: Tensor, probs: Tensor, targets: Tensor | None,
+                     epoch: int) -> None:
+        """The same rows applied as :meth:`feed` applies to a replicated memory, each row's
+        probabilities sent to its owner only (this path reads counts on the host either way)."""
+        finite = torch.isfinite(probs).all(dim=1)
+        every, every_finite, every_targets, sizes = gather_row_facts(
+            indices, finite, None if targets is None else targets.to(probs.device))
+        every, every_finite = every.to(memory.device), every_finite.to(memory.device)
+        first = deduplicate_first(every)  # DistributedSampler's padding: the first occurrence in rank order
+        in_range = (every >= 0) & (every < memory.num_samples)
+        if self.sync_free:
+            self.bad_recorded = self.bad_recorded + (first & ~in_range).sum()
+        else:
+            check_dataset_indices(every[first], memory.num_samples)
+        self.rows_recorded += int(first.sum())
+        self.nonfinite = self.nonfinite + (first & ~every_finite).sum() if self.sync_free else \
+            self.nonfinite + int((first & ~every_finite).sum())
+        every = every.clamp(0, memory.num_samples - 1)
+        keep = first & every_finite & in_range & (self.last_update_epoch[every] != epoch)
+        owned = route_to_owners(probs, every, keep, sizes, memory.num_shards, memory.shard)
+        memory.update_owned(every, keep, owned, every_targets)
+        self.last_update_epoch[every[keep]] = epoch
 
     def check_coverage(self) -> None:
         """Once the memory was fed three times its size in rows, warn once when it saw far fewer

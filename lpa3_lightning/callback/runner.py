@@ -23,6 +23,7 @@ from lpa3_lightning.core.cache import AugmentationCache
 from lpa3_lightning.core.distributed import gather_rows
 from lpa3_lightning.core.input_box import InputRange
 from lpa3_lightning.core.tcs import TimeConsistency
+from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
 
 __all__ = ["NetworkRunner"]
 
@@ -96,12 +97,9 @@ class NetworkRunner:
         self.augmenter.start_fit(trainer.global_rank, self.sync_free, cb.runtime.cuda_graphs, input_range)
         # sync-free: the memory lives beside the model, so selecting and updating read nothing back
         device = module.device if self.sync_free else torch.device("cpu")
-        s = cb.selection
-        fresh = TimeConsistency(num_samples, num_classes, cb.ratio, divergence=s.divergence,
-                                initial_memory=s.initial_memory, initial_selection=s.initial_selection,
-                                seed=self.tcs_seed, threshold_rule=s.threshold_rule, device=device)
+        fresh = self._new_memory(num_samples, num_classes, device, (trainer.world_size, trainer.global_rank))
         if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
-            fresh.load_state_dict(self.tcs.state_dict())  # refuses a data set of another size
+            fresh.adopt(self.tcs)  # refuses a data set of another size
         self.tcs = fresh
         if not self._restored:
             self.augment_start = None
@@ -209,6 +207,11 @@ class NetworkRunner:
                 f"The recorded logits have shape {tuple(predictions[1].shape)} but lpa3_num_classes is "
                 f"{memory.num_classes}. Fix: set `self.lpa3_num_classes` to the width of the model's logits."
             )
+        elif predictions[0].dim() != 1 or predictions[0].shape[0] != predictions[1].shape[0]:
+            error = ValueError(
+                f"The recorded indices have shape {tuple(predictions[0].shape)} for {predictions[1].shape[0]} rows of "
+                "logits. Fix: pass `self.lpa3_record_predictions(indices, logits)` one dataset index per logits row."
+            )
         raise_together(error)
         indices, logits, targets = predictions  # type: ignore[misc]
         self.feed.feed(indices, logits, targets, cb.solver.temperature, trainer.current_epoch)  # type: ignore[union-attr]
@@ -250,12 +253,11 @@ class NetworkRunner:
         if tcs_state is not None:
             # Rebuilt from the checkpoint alone, so the state is there before training starts;
             # the fit's start checks it against the current data set and module.
-            s = cb.selection
-            self.tcs = TimeConsistency(int(tcs_state["num_samples"]), int(tcs_state["num_classes"]), cb.ratio,
-                                       divergence=s.divergence, initial_memory=s.initial_memory,
-                                       initial_selection=s.initial_selection, seed=self.tcs_seed,
-                                       threshold_rule=s.threshold_rule)
-            self.tcs.load_state_dict(tcs_state)
+            # (the whole memory, whatever layout wrote it, sharing the checkpoint's memory tensor, which
+            # Lightning discards after restoring: the fit's start keeps this process's rows if sharded)
+            self.tcs = self._new_memory(int(tcs_state["num_samples"]), int(tcs_state["num_classes"]),
+                                        torch.device("meta"), None)  # (meta: allocates nothing before the load)
+            self.tcs._load(tcs_state, copy=False)
         self.feed = None
         self._last_update_epoch = state.get("last_update_epoch", torch.zeros(0, dtype=torch.long)).clone()
         self.augment_start = state.get("augment_start")
@@ -264,6 +266,19 @@ class NetworkRunner:
             self.cache = AugmentationCache(int(cache_state["num_samples"]), cb.cache_settings.regenerate_every_n_epochs,
                                            cb.cache_settings.max_bytes)
             self.cache.load_state_dict(cache_state)
+
+    def _new_memory(self, num_samples: int, num_classes: int, device: torch.device,
+                    processes: tuple[int, int] | None) -> TimeConsistency:
+        """An empty memory with the selection settings: split over the ``(world size, rank)`` processes
+        when the layout says so (``processes`` None: a whole one)."""
+        world_size, rank = processes or (1, 0)
+        cb, s = self.callback, self.callback.selection
+        kwargs = dict(divergence=s.divergence, initial_memory=s.initial_memory, initial_selection=s.initial_selection,
+                      seed=self.tcs_seed, threshold_rule=s.threshold_rule, device=device, storage_dtype=s.memory_dtype)
+        if processes is not None and (s.memory_layout == "sharded" or (s.memory_layout == "auto" and world_size > 1)):
+            return ShardedTimeConsistency(num_samples, num_classes, cb.ratio, num_shards=world_size, shard=rank,
+                                          **kwargs)
+        return TimeConsistency(num_samples, num_classes, cb.ratio, **kwargs)
 
     def solver_settings(self) -> dict[str, Any]:
         """The settings the solver ran with, as plain values (saved in checkpoints, so that

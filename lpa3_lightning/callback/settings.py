@@ -28,6 +28,7 @@ from typing import Any, Literal
 from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
 from lpa3_lightning.core.input_box import MaxStep, check_max_step
 from lpa3_lightning.core.selection import check_initial_selection, check_threshold_rule
+from lpa3_lightning.core.tcs import STORAGE_DTYPES
 
 __all__ = ["CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
            "moved_setting", "preset_groups"]
@@ -98,6 +99,13 @@ class SelectionSettings:
         initial_selection: before the first threshold, ``"random"`` (a seeded ``ratio`` share) or
             ``"all"`` (the authors').
         threshold_rule: ``"count"`` (exactly ``round(ratio * N)``) or ``"authors"`` (one fewer).
+        memory_layout: where the stored predictions live under data parallelism: ``"auto"``
+            (sharded with more than one process), ``"sharded"`` (each process keeps ``1/world_size``
+            of them, :class:`~lpa3_lightning.core.tcs_shards.ShardedTimeConsistency`) or
+            ``"replicated"`` (every process keeps all). The selections are the same either way
+            (bit for bit on the CPU; on a GPU a score can differ in its last bit).
+        memory_dtype: ``"float32"``, or ``"bfloat16"`` / ``"float16"`` to halve the stored
+            predictions (the selections can then differ slightly: docs/multinode.md measures it).
     """
 
     num_samples: int | None = None
@@ -105,8 +113,16 @@ class SelectionSettings:
     initial_memory: Literal["uniform", "authors"] = "uniform"
     initial_selection: Literal["random", "all"] = "random"
     threshold_rule: Literal["count", "authors"] = "count"
+    memory_layout: Literal["auto", "sharded", "replicated"] = "auto"
+    memory_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def __post_init__(self) -> None:
+        if self.memory_layout not in ("auto", "sharded", "replicated"):
+            raise ValueError(f"`selection.memory_layout` must be 'auto', 'sharded' or 'replicated', got "
+                             f"{self.memory_layout!r}. Fix: use 'auto'.")
+        if self.memory_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"`selection.memory_dtype` must be one of {sorted(STORAGE_DTYPES)}, got "
+                             f"{self.memory_dtype!r}. Fix: use 'float32' (or 'bfloat16' to halve the memory).")
         if self.num_samples is not None:
             _check_int("selection", "num_samples", self.num_samples, 1,
                        "use None to infer it from the module or the train dataloader's dataset.")

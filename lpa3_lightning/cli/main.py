@@ -32,12 +32,13 @@ class LPA3CLI(LightningCLI):
         checkpoint = getattr(trainer, "checkpoint_callback", None)
         best = getattr(checkpoint, "best_model_path", "") if checkpoint is not None else ""
         results = trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best or None)
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank reads it, or rank 0 waits alone
         if trainer.is_global_zero:
             print("\n=== LP-A3 run finished ===")
             for key, value in sorted((results[0] if results else {}).items()):
                 print(f"{key}: {value:.4f}")
             print(f"tested checkpoint: {best or '(final weights)'}")
-            print(f"logs and checkpoints: {trainer.log_dir}")
+            print(f"logs and checkpoints: {log_dir}")
 
 
 def moved_config_keys(argv: list[str]) -> list[str]:

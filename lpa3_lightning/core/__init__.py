@@ -1,7 +1,8 @@
 """The LP-A3 algorithm in plain PyTorch (no Lightning import): a training loop of your own can
 use it directly (README, "Without Lightning").
 
-The per-batch data path, one module each: ``tcs`` (time-consistency memory) -> ``selection``
+The per-batch data path, one module each: ``tcs`` (time-consistency memory; ``tcs_shards`` splits
+it over data-parallel processes, ``shard_exchange`` moves its rows) -> ``selection``
 (the threshold) -> ``features`` / ``feature_layers`` (the model's own perceptual features) ->
 ``attack`` (the label-preserving solver: ``solver_loop``, ``solver_forward``, ``input_box``,
 ``solver_graphs``) -> ``augmented`` (what a module receives) -> ``augmented_forward`` (the
@@ -21,9 +22,11 @@ from lpa3_lightning.core.selection import select_below_threshold, selection_thre
 from lpa3_lightning.core.solver_forward import label_log_prob
 from lpa3_lightning.core.solver_graphs import SolverGraphs
 from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
+from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
 
 __all__ = [
-    "AttackStats", "AugmentedBatch", "LPA3Request", "PerceptualFeatures", "SolverGraphs", "TimeConsistency",
+    "AttackStats", "AugmentedBatch", "LPA3Request", "PerceptualFeatures", "ShardedTimeConsistency", "SolverGraphs",
+    "TimeConsistency",
     "augmented_logits", "convert_dual_bn", "default_feature_layers", "has_dual_bn", "label_log_prob", "lpa3_attack",
     "resolve_input_range", "resolve_layers", "select_below_threshold", "selection_threshold", "tcs_divergence",
     "tcs_update", "use_twin_bn",

@@ -17,6 +17,9 @@ meaningless (negative for confident predictions). Here the memory starts as the 
 distribution (``initial_memory="uniform"``), so the first visit scores how far the model
 moved from "no knowledge"; ``initial_memory="authors"`` restores 1.01 for comparison.
 All state lives in tensors indexed by dataset index, so it can be all-gathered under DDP.
+The stored predictions may be kept in 16 bits (``storage_dtype``; scores and divergences are
+always computed in float32); :class:`~lpa3_lightning.core.tcs_shards.ShardedTimeConsistency`
+splits them over the processes of a data-parallel run.
 """
 
 from __future__ import annotations
@@ -36,13 +39,34 @@ from lpa3_lightning.core.selection import (
     selection_threshold,
 )
 
-__all__ = ["TimeConsistency", "tcs_divergence", "tcs_update"]
+__all__ = ["STORAGE_DTYPES", "TimeConsistency", "storage_dtype_of", "tcs_divergence", "tcs_update"]
 
 #: Weight of the new divergence in the score's moving average (authors' code: 0.99).
 DEFAULT_GAMMA = 0.99
 #: The authors' initial value of every entry of the stored prediction.
 AUTHORS_INITIAL_MEMORY = 1.01
-_STATE_VERSION = 1
+#: The dtypes the stored predictions may be kept in (names as in configs).
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STATE_VERSION = 2  # 2: the memory is saved in its storage dtype, named by "storage_dtype"
+
+
+def storage_dtype_of(value: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a ``storage_dtype`` given by name or dtype.
+
+    Raises:
+        ValueError: for any other dtype, naming the accepted ones.
+    """
+    dtype = STORAGE_DTYPES.get(value) if isinstance(value, str) else value
+    if dtype not in STORAGE_DTYPES.values():
+        raise ValueError(f"`storage_dtype` must be one of {sorted(STORAGE_DTYPES)}, got {value!r}. Fix: use "
+                         "'float32' (exact), or 'bfloat16' / 'float16' to halve the stored predictions.")
+    return dtype  # type: ignore[return-value]
+
+
+def _copy_to(t: Tensor, device: torch.device, dtype: torch.dtype, copy: bool = True) -> Tensor:
+    """``t`` on ``device`` in ``dtype``; with ``copy`` never sharing storage with ``t`` (one copy at most)."""
+    moved = t.to(device, dtype)
+    return moved.clone() if copy and moved.data_ptr() == t.data_ptr() else moved
 
 
 def tcs_divergence(
@@ -106,6 +130,9 @@ class TimeConsistency:
         seed: seed of that random share.
         threshold_rule: ``"count"`` (default: the ``round(ratio * N)`` lowest scores) or
             ``"authors"`` (see :func:`~lpa3_lightning.core.selection.selection_threshold`).
+        storage_dtype: dtype of the stored predictions, ``"float32"`` (default), ``"bfloat16"`` or
+            ``"float16"`` (half the memory; the divergences are computed in float32 from the
+            rounded stored rows, so scores and selections can differ slightly from float32's).
 
     Raises:
         ValueError: on a bad argument, naming it and the fix.
@@ -132,6 +159,7 @@ class TimeConsistency:
         initial_selection: Literal["random", "all"] = "random",
         seed: int = 0,
         threshold_rule: Literal["count", "authors"] = "count",
+        storage_dtype: str | torch.dtype = "float32",
     ) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int (the training set size), got {num_samples!r}.")
@@ -155,11 +183,19 @@ class TimeConsistency:
         self.gamma = float(gamma)
         self.divergence = divergence
         self.initial_memory = initial_memory
-        fill = 1.0 / num_classes if initial_memory == "uniform" else AUTHORS_INITIAL_MEMORY
-        self.memory = torch.full((num_samples, num_classes), fill, device=device)
+        self.storage_dtype = storage_dtype_of(storage_dtype)
+        self.memory = self._initial_rows(num_samples, torch.device(device))
         self.scores = torch.zeros(num_samples, device=device)
         self.seen = torch.zeros(num_samples, dtype=torch.bool, device=device)
         self.threshold = torch.tensor(float("nan"), device=device)  # nan: no pass finished yet
+
+    @property
+    def initial_value(self) -> float:
+        """Every entry of a stored prediction before its first update."""
+        return 1.0 / self.num_classes if self.initial_memory == "uniform" else AUTHORS_INITIAL_MEMORY
+
+    def _initial_rows(self, rows: int, device: torch.device) -> Tensor:
+        return torch.full((rows, self.num_classes), self.initial_value, device=device, dtype=self.storage_dtype)
 
     @property
     def threshold(self) -> Tensor:
@@ -171,7 +207,7 @@ class TimeConsistency:
         self._threshold = value
         # read once here, when the threshold changes (once a pass), so that selecting a batch
         # needs no host read of it
-        self._has_threshold = not bool(torch.isnan(value))
+        self._has_threshold = not value.is_meta and not bool(torch.isnan(value))
 
     @property
     def device(self) -> torch.device:
@@ -204,15 +240,15 @@ class TimeConsistency:
                 f"probability row per index, with as many classes as the memory was built for ({self.num_classes})."
             )
         probs = probs.detach().to(self.device, torch.float32)
-        div = tcs_divergence(self.memory[indices], probs, None if targets is None else targets.to(self.device),
+        div = tcs_divergence(self.memory[indices].float(), probs, None if targets is None else targets.to(self.device),
                              self.divergence)
         scores = tcs_update(self.scores[indices], div, self.gamma)
         if keep is not None:
             keep = keep.to(self.device)
             scores = torch.where(keep, scores, self.scores[indices])
-            probs = torch.where(keep[:, None], probs, self.memory[indices])
+            probs = torch.where(keep[:, None], probs, self.memory[indices].float())
         self.scores[indices] = scores
-        self.memory[indices] = probs
+        self.memory[indices] = probs.to(self.storage_dtype)
         self.seen[indices] = self.seen[indices] | keep if keep is not None else True
         return div
 
@@ -244,25 +280,50 @@ class TimeConsistency:
             self._random_share = (epoch, share.to(self.device))  # drawn once an epoch, kept on the device
         return self._random_share[1][indices]
 
+    def full_memory(self) -> Tensor | None:
+        """The stored predictions of every sample, ``(N, C)`` on the CPU in the storage dtype
+        (a sharded memory assembles them on shard 0 and gives None on the others)."""
+        return self.memory.cpu()
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (tensors on CPU)."""
+        """Everything needed to resume exactly (tensors on CPU; the memory in its storage dtype)."""
+        return self._state(copy=True)
+
+    def _state(self, copy: bool) -> dict[str, Any]:
+        memory = self.full_memory()
+        if copy and memory is not None and memory.data_ptr() == self.memory.data_ptr():
+            memory = memory.clone()
+        tensors = {"scores": self.scores.cpu(), "seen": self.seen.cpu(), "threshold": self.threshold.cpu()}
         return {
             "version": _STATE_VERSION,
             "num_samples": self.num_samples,
             "num_classes": self.num_classes,
             "ratio": self.ratio,
-            "memory": self.memory.cpu().clone(),
-            "scores": self.scores.cpu().clone(),
-            "seen": self.seen.cpu().clone(),
-            "threshold": self.threshold.cpu().clone(),
+            "storage_dtype": str(self.storage_dtype).removeprefix("torch."),
+            "memory": memory,
+            **{k: v.clone() if copy else v for k, v in tensors.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`, refusing one written for another data set size.
+    def adopt(self, other: TimeConsistency) -> None:
+        """Take over another memory's state (an earlier fit's, or one read from a checkpoint),
+        converted to this one's device, dtype and layout, without an intermediate copy of the rows.
 
         Raises:
-            ValueError: if the stored number of samples or classes differs from this memory's.
+            ValueError: when ``other`` is split over several processes and this memory is not split
+                the same way (assembling it would be a collective): on every process alike.
         """
+        shards = getattr(other, "num_shards", 1)
+        if shards > 1:
+            raise ValueError(
+                f"An earlier fit left this callback a TCS memory split over {shards} processes "
+                "(selection.memory_layout), and this fit keeps it another way. Fix: save a checkpoint and "
+                "resume from it (a checkpoint holds the whole memory and loads into any layout and world size), "
+                "or keep the layout and the world size of the earlier fit."
+            )
+        self._load(other._state(copy=False), copy=False)
+
+    def _check_state(self, state: dict[str, Any]) -> Tensor:
+        """The state's full memory, after refusing one of another data set size or without rows."""
         if state.get("num_samples") != self.num_samples or state.get("num_classes") != self.num_classes:
             raise ValueError(
                 f"The checkpointed TCS memory is for {state.get('num_samples')} samples x "
@@ -270,7 +331,36 @@ class TimeConsistency:
                 f"{self.num_classes}. Fix: resume with the same training data, or start a new run "
                 "(drop `ckpt_path`) if the data set changed on purpose."
             )
-        self.memory = state["memory"].to(self.device, torch.float32).clone()
-        self.scores = state["scores"].to(self.device, torch.float32).clone()
-        self.seen = state.get("seen", torch.ones(self.num_samples, dtype=torch.bool)).to(self.device).clone()
-        self.threshold = state.get("threshold", torch.tensor(float("nan"))).to(self.device).clone()
+        if state.get("memory") is None:
+            raise ValueError(
+                "This TCS state has no stored predictions: it was taken on a process other than global rank 0 of "
+                "a run with a sharded memory (only rank 0 assembles them; its state is the one a checkpoint "
+                "holds). Fix: load the checkpoint file that rank 0 wrote, or rank 0's state_dict()."
+            )
+        return state["memory"]
+
+    def _load_rows(self, memory: Tensor, copy: bool) -> None:
+        self.memory = _copy_to(memory, self.device, self.storage_dtype, copy)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, refusing one written for another data set size.
+
+        A state saved with another storage dtype or by a run of another world size (replicated
+        or sharded) loads as well: the rows are converted to this memory's dtype and layout.
+
+        Raises:
+            ValueError: if the stored number of samples or classes differs from this memory's,
+                or the state holds no stored predictions (a sharded run's rank other than 0).
+        """
+        self._load(state, copy=True)
+
+    def _load(self, state: dict[str, Any], copy: bool) -> None:
+        """Load ``state``; ``copy=False`` may share its stored predictions (N x C: not copied when the
+        state is discarded after, as a checkpoint's is), never its other tensors."""
+        memory = self._check_state(state)
+        if self.device.type == "meta":  # built to be loaded (nothing allocated): the state's tensors on the CPU
+            self.memory = torch.empty((0, self.num_classes), dtype=self.storage_dtype)
+        self._load_rows(memory, copy)
+        self.scores = _copy_to(state["scores"], self.device, torch.float32)
+        self.seen = _copy_to(state.get("seen", torch.ones(self.num_samples, dtype=torch.bool)), self.device, torch.bool)
+        self.threshold = _copy_to(state.get("threshold", torch.tensor(float("nan"))), self.device, torch.float32)

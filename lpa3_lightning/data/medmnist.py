@@ -97,8 +97,8 @@ class MedMNISTDataModule(pl.LightningDataModule):
         randaugment_magnitude: RandAugment magnitude, in ``[0, 30]``.
         pin_memory: Passed to every ``DataLoader``.
         resumable: Train with :class:`ResumableDataLoader` (a ``(seed, epoch)`` shuffle that
-            resumes mid-epoch exactly after a crash); one process only, since under DDP
-            Lightning injects its own DistributedSampler into a plain loader.
+            resumes mid-epoch exactly after a crash; under DDP it shards each epoch as
+            ``DistributedSampler`` does).
         seed: Shuffle seed of the resumable loader.
 
     Raises:

@@ -94,7 +94,8 @@ def test_a_run_past_its_deadline_stops_after_the_epoch_and_leaves_a_partial_file
     from lpa3_lightning.data import EMBEDDED_DATA_DIR
 
     table = _module()
-    result = table.run("breastmnist", str(EMBEDDED_DATA_DIR), "baseline", 0, 2, tmp_path, "cpu", stop_at=time.time())
+    result = table.run("breastmnist", str(EMBEDDED_DATA_DIR), "baseline", 0, 2, tmp_path, "cpu", stop_at=time.time(),
+                       limit_train_batches=1)
     assert result["complete"] is False and len(result["curve"]) == 1
     assert (tmp_path / "breastmnist_baseline_e2_seed0.partial.json").is_file()
     assert not (tmp_path / "breastmnist_baseline_e2_seed0.json").exists()  # left out of tables
@@ -108,7 +109,8 @@ def test_parallel_runs_write_results_and_the_table(tmp_path):
 
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--flags", "breastmnist", "--methods", "baseline", "--seeds", "0", "1",
-         "--epochs", "1", "--jobs", "2", "--threads", "1", "--root", str(EMBEDDED_DATA_DIR), "--out", str(tmp_path)],
+         "--epochs", "1", "--jobs", "2", "--threads", "1", "--root", str(EMBEDDED_DATA_DIR), "--out", str(tmp_path),
+         "--limit-train-batches", "1"],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "breastmnist_baseline_e1_seed0.json").is_file()

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lpa3_lightning.callback.augment_stage as lpa3_lightning_callback
-from lpa3_lightning import LPA3Callback
+from lpa3_lightning import LPA3Callback, TimeConsistency
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import SupervisedLPA3Mixin
 from tests.helpers import indexed_images, small_cnn, snapshot
@@ -256,16 +256,38 @@ def test_a_lone_selected_sample_is_dropped_for_batch_statistics(tmp_path):
     assert module.seen_augmented == [0]
 
 
-def test_resume_on_a_data_set_of_another_size_is_refused(tmp_path):
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_resume_on_a_data_set_of_another_size_is_refused(tmp_path, layout):
     pl.seed_everything(0)
-    callback = LPA3Callback(ratio=0.5, steps=1)
+    callback = LPA3Callback(ratio=0.5, steps=1, selection={"memory_layout": layout})
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(TinyClassifier(), _loader(48))
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
-    trainer2 = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1)], max_epochs=2)
+    trainer2 = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, selection={"memory_layout": layout})],
+                        max_epochs=2)
     with pytest.raises(ValueError, match="same training data"):
         trainer2.fit(TinyClassifier(), _loader(30), ckpt_path=ckpt)
+
+
+def test_a_16_bit_sharded_memory_resumes_into_a_replicated_float32_one(tmp_path):
+    """One process can run the sharded layout too (one shard); its checkpoint holds the whole
+    memory in its storage dtype and resumes into another layout and dtype."""
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=0.5, steps=1, selection={"memory_layout": "sharded", "memory_dtype": "bfloat16"})
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader(48))
+    assert type(callback.tcs).__name__ == "ShardedTimeConsistency" and callback.tcs.memory.dtype == torch.bfloat16
+    ckpt = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
+    assert saved["memory"].shape == (48, 3) and saved["memory"].dtype == torch.bfloat16
+    assert saved["storage_dtype"] == "bfloat16"
+    resumed = RecordsStartState(ratio=0.5, steps=1, selection={"memory_layout": "replicated"})
+    _trainer(tmp_path, [resumed], max_epochs=2).fit(TinyClassifier(), _loader(48), ckpt_path=ckpt)
+    assert type(resumed.tcs) is TimeConsistency and resumed.tcs.memory.dtype == torch.float32
+    assert torch.equal(resumed.start_state["memory"], saved["memory"].float())  # the rows as stored, widened
+    assert torch.equal(resumed.start_state["scores"], saved["scores"])
 
 
 # ---------------------------------------------------------------------------------- refusals
@@ -283,6 +305,8 @@ def test_resume_on_a_data_set_of_another_size_is_refused(tmp_path):
         ({"selection": {"num_samples": 0}}, "selection.num_samples"),
         ({"selection": {"divergence": "js"}}, "selection.divergence"),
         ({"selection": {"initial_memory": "zeros"}}, "selection.initial_memory"),
+        ({"selection": {"memory_layout": "split"}}, "selection.memory_layout"),
+        ({"selection": {"memory_dtype": "float64"}}, "selection.memory_dtype"),
         ({"input_range": 3}, "input_range"),
         ({"cache": {"regenerate_every_n_epochs": 0}}, "cache.regenerate_every_n_epochs"),
         ({"logging": {"num_images": 0}}, "logging.num_images"),

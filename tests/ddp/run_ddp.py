@@ -14,7 +14,9 @@ RuntimeError: every rank must stop with the reason instead of hanging. 'noise_fu
 
 Lightning's "ddp" strategy starts the second process by running this script again. Each
 rank writes ``OUT_DIR/rank{R}.pt`` with its TCS state and every step's (indices, mask); rank 0
-also writes the checkpoint ``OUT_DIR/final.ckpt``.
+also writes the checkpoint ``OUT_DIR/final.ckpt``. The TCS memory is sharded over the two ranks
+(the default under DDP: rank 0's state holds the whole memory, rank 1's none) unless the mode
+ends in ``+replicated``.
 """
 
 from __future__ import annotations
@@ -125,11 +127,22 @@ class Recording(LPA3Callback):
             self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + applied
             return original(indices, probs, targets, **kwargs)
 
+        original_owned = getattr(self.tcs, "update_owned", None)  # a sharded memory's (the default under DDP)
+
+        def counting_owned(indices, keep, owned_probs, targets=None):
+            epoch = trainer.current_epoch
+            self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + int(keep.sum())
+            return original_owned(indices, keep, owned_probs, targets)
+
         self.tcs.update = counting
+        if original_owned is not None:
+            self.tcs.update_owned = counting_owned
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         finally:
             del self.tcs.update
+            if original_owned is not None:
+                del self.tcs.update_owned
 
     def on_augmented(self, trainer, pl_module, augmented):
         self.x_prime.append((trainer.current_epoch, augmented.indices.cpu().clone(), augmented.inputs.cpu().clone()))
@@ -237,8 +250,11 @@ def _syncbn_run(out: Path, mode: str) -> None:
 
 
 def main(out: Path, mode: str) -> None:
-    mode, _, path = mode.partition("+")  # "<mode>+sync_free": the callback's sync-free per-batch path
+    # "<mode>+sync_free": the callback's sync-free per-batch path; "<mode>+replicated": every rank
+    # keeps the whole TCS memory (the default under DDP splits it over the ranks)
+    mode, _, path = mode.partition("+")
     sync_free = path == "sync_free"
+    layout = {"memory_layout": "replicated" if path == "replicated" else "auto"}
     if mode.startswith("syncbn_"):
         _syncbn_run(out, mode)
         return
@@ -314,7 +330,7 @@ def main(out: Path, mode: str) -> None:
                          bad_rank=1 if mode == "bad_rank1" else None,
                          warmup_epochs=1 if user else 0,
                          cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1},
-                         runtime={"sync_free": sync_free})
+                         runtime={"sync_free": sync_free}, selection=layout)
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
