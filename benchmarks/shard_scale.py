@@ -6,9 +6,9 @@
 For each world size (CPU processes over gloo on 127.0.0.1, ``torch.set_num_threads(1)`` each)
 and memory layout, every process builds the memory LPA3Callback builds (the stored predictions,
 the scores, the seen flags, and the callback's per-sample record of the epoch of the last update)
-and runs the per-step update it makes after each training step, on synthetic predictions: each
-step a fresh permutation of the data set gives every rank ``--batch`` distinct indices, with
-softmax(randn) probabilities. Reported per rank:
+and runs the per-step update it makes after each training step (its ``MemoryFeed``: softmax,
+exchange, update), on synthetic predictions: each step a fresh permutation of the data set gives
+every rank ``--batch`` distinct indices, with randn logits. Reported per rank:
 
 * memory: bytes of those tensors (the replicated ones plus this rank's rows), and the process's
   peak resident set size (``ru_maxrss``, which includes torch itself, about 0.3-0.4 GB);
@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lpa3_lightning.core.distributed import deduplicate_first, gather_predictions  # noqa: E402
-from lpa3_lightning.core.shard_exchange import gather_row_facts, owned_rows, route_to_owners  # noqa: E402
+from lpa3_lightning.callback.memory_stage import MemoryFeed  # noqa: E402
+from lpa3_lightning.core.shard_exchange import owned_rows  # noqa: E402
 from lpa3_lightning.core.tcs import STORAGE_DTYPES, TimeConsistency  # noqa: E402
 from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency  # noqa: E402
 
@@ -78,27 +78,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     kwargs = {"storage_dtype": args.dtype}
     memory = (ShardedTimeConsistency(n, c, 0.5, num_shards=world, shard=rank, **kwargs) if layout == "sharded"
               else TimeConsistency(n, c, 0.5, **kwargs))
-    last_update = torch.full((n,), -1, dtype=torch.long)  # the callback's per-sample record
-    held = sum(t.numel() * t.element_size() for t in (memory.memory, memory.scores, memory.seen, last_update))
+    # the callback's own per-step update: MemoryFeed with its per-sample record of the last update
+    feed = MemoryFeed(memory, sync_free=False, last_update_epoch=torch.full((n,), -1, dtype=torch.long))
+    held = sum(t.numel() * t.element_size() for t in (memory.memory, memory.scores, memory.seen,
+                                                      feed.last_update_epoch))
     assert held == memory_bytes(n, c, world, rank, layout, STORAGE_DTYPES[args.dtype].itemsize)
     times, routed = [], []
     for step in range(args.warmup + args.steps):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(step))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(step))[:world * b]
         indices = order[rank * b:(rank + 1) * b]
-        probs = torch.softmax(torch.randn(b, c, generator=torch.Generator().manual_seed(1000 + step)), dim=1)
+        logits = torch.randn(b, c, generator=torch.Generator().manual_seed(1000 + step))
+        routed.append(int((order % world == rank).sum()))  # the rows this rank owns this step
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        if layout == "sharded":
-            every, finite, _, sizes = gather_row_facts(indices, torch.isfinite(probs).all(dim=1), None)
-            keep = deduplicate_first(every) & finite & (last_update[every] != 0)
-            owned = route_to_owners(probs, every, keep, sizes, world, rank)
-            memory.update_owned(every, keep, owned)
-            routed.append(owned.shape[0])
-        else:
-            every, gathered, _ = gather_predictions(indices, probs)
-            keep = torch.isfinite(gathered).all(dim=1) & (last_update[every] != 0)
-            memory.update(every[keep], gathered[keep])
+        feed.feed(indices, logits, None, 1.0, epoch=step)  # a new epoch each step: every row is applied
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
@@ -108,7 +102,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         median = float(t)
         dist.destroy_process_group()
-    rows = int(statistics.mean(routed)) if routed else b
+    rows = int(statistics.mean(routed)) if layout == "sharded" else b
     queue.put((rank, held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, median, rows))
 
 

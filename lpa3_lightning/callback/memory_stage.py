@@ -77,8 +77,8 @@ class MemoryFeed:
         else:
             check_dataset_indices(every[first], memory.num_samples)
         self.rows_recorded += int(first.sum())
-        self.nonfinite = self.nonfinite + (first & ~every_finite).sum() if self.sync_free else \
-            self.nonfinite + int((first & ~every_finite).sum())
+        nonfinite = (first & ~every_finite).sum()
+        self.nonfinite = self.nonfinite + (nonfinite if self.sync_free else int(nonfinite))
         every = every.clamp(0, memory.num_samples - 1)
         keep = first & every_finite & in_range & (self.last_update_epoch[every] != epoch)
         owned = route_to_owners(probs, every, keep, sizes, memory.num_shards, memory.shard)

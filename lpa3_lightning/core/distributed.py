@@ -27,7 +27,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
     "all_equal", "any_rank_failed", "bytes_per_sample", "communication_device", "deduplicate_first",
-    "batchnorm_buffers_kept", "gather_predictions", "gather_rows", "is_distributed", "needs_every_rank",
+    "batchnorm_buffers_kept", "gather_predictions", "gather_rows", "gathered_sizes", "is_distributed",
+    "needs_every_rank",
 ]
 
 
@@ -115,6 +116,14 @@ def deduplicate_first(indices: Tensor) -> Tensor:
     return keep
 
 
+def gathered_sizes(rows: int, device: torch.device) -> list[int]:
+    """Every rank's number of rows (one all-gather; read on the host)."""
+    size = torch.tensor([rows], device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    return [int(s) for s in torch.cat(sizes).tolist()]
+
+
 def _all_gather_padded(t: Tensor, sizes: list[int]) -> Tensor:
     """All-gather a tensor whose first dimension differs across ranks."""
     longest = max(sizes)
@@ -131,10 +140,7 @@ def _gather_by_index(indices: Tensor, *tensors: Tensor | None) -> tuple[Tensor |
     One size exchange serves every tensor; ``None`` entries pass through as ``None``.
     """
     home, device = indices.device, communication_device()  # gloo: CPU tensors; nccl: this rank's GPU
-    size = torch.tensor([indices.shape[0]], device=device)
-    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes_t, size)
-    sizes = [int(s) for s in sizes_t]
+    sizes = gathered_sizes(indices.shape[0], device)
     all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
     keep = deduplicate_first(all_indices)
     gathered = [None if t is None else _all_gather_padded(t.to(device), sizes)[keep].to(home) for t in tensors]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lpa3_lightning.core.distributed import _all_gather_padded, communication_device, is_distributed
+from lpa3_lightning.core.distributed import _all_gather_padded, communication_device, gathered_sizes, is_distributed
 
 __all__ = ["assemble_on_first", "check_shards", "gather_row_facts", "owned_rows", "route_to_owners",
            "sum_over_shards"]
@@ -85,10 +85,7 @@ def gather_row_facts(indices: Tensor, finite: Tensor, targets: Tensor | None) ->
     home, device = indices.device, communication_device()
     columns = [indices.long(), finite.long()] + ([] if targets is None else [targets.long()])
     packed = torch.stack([c.to(device) for c in columns], dim=1)  # one all-gather for all three
-    size = torch.tensor([packed.shape[0]], device=device)
-    sizes_t = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes_t, size)
-    sizes = [int(s) for s in torch.cat(sizes_t).tolist()]
+    sizes = gathered_sizes(packed.shape[0], device)
     every = _all_gather_padded(packed, sizes).to(home)
     return every[:, 0], every[:, 1].bool(), None if targets is None else every[:, 2], sizes
 
@@ -108,10 +105,10 @@ def route_to_owners(probs: Tensor, every_index: Tensor, apply: Tensor, sizes: li
     Returns:
         ``(K, C)``: the rows with ``apply & (every_index % num_shards == shard)``, in that order.
     """
-    owners = torch.remainder(every_index, num_shards)
     if num_shards == 1:
         return probs[apply.to(probs.device)]
     _check_group(num_shards)
+    owners = torch.remainder(every_index, num_shards)
     start = sum(sizes[:shard])
     mine_apply, mine_owner = apply[start:start + sizes[shard]], owners[start:start + sizes[shard]]
     rows = mine_apply.nonzero().squeeze(1)

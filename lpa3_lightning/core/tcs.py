@@ -234,11 +234,7 @@ class TimeConsistency:
             ``(B,)`` divergences ``a_t`` of this update.
         """
         indices = self._check_indices(indices, values=check_values)
-        if probs.shape != (indices.numel(), self.num_classes):
-            raise ValueError(
-                f"`probs` must have shape ({indices.numel()}, {self.num_classes}), got {tuple(probs.shape)}. Fix: one "
-                f"probability row per index, with as many classes as the memory was built for ({self.num_classes})."
-            )
+        self._check_probs(indices, probs)
         probs = probs.detach().to(self.device, torch.float32)
         div = tcs_divergence(self.memory[indices].float(), probs, None if targets is None else targets.to(self.device),
                              self.divergence)
@@ -251,6 +247,13 @@ class TimeConsistency:
         self.memory[indices] = probs.to(self.storage_dtype)
         self.seen[indices] = self.seen[indices] | keep if keep is not None else True
         return div
+
+    def _check_probs(self, indices: Tensor, probs: Tensor) -> None:
+        if probs.shape != (indices.numel(), self.num_classes):
+            raise ValueError(
+                f"`probs` must have shape ({indices.numel()}, {self.num_classes}), got {tuple(probs.shape)}. Fix: one "
+                f"probability row per index, with as many classes as the memory was built for ({self.num_classes})."
+            )
 
     def refresh_threshold(self) -> None:
         """Recompute the threshold from the scores of every sample seen so far (end of a pass)."""

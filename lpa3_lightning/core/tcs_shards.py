@@ -69,9 +69,7 @@ class ShardedTimeConsistency(TimeConsistency):
         The kept rows' indices must be distinct. Returns the ``(B,)`` divergences.
         """
         indices = self._check_indices(indices, values=check_values)
-        if probs.shape != (indices.numel(), self.num_classes):
-            raise ValueError(f"`probs` must have shape ({indices.numel()}, {self.num_classes}), got "
-                             f"{tuple(probs.shape)}. Fix: one probability row per index.")
+        self._check_probs(indices, probs)
         keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.to(self.device)
         mine = keep & (torch.remainder(indices, self.num_shards) == self.shard)
         return self.update_owned(indices, keep, probs.detach().to(self.device)[mine], targets)
