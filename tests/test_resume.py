@@ -99,3 +99,7 @@ def test_under_ddp_the_resumable_loader_shards_like_distributed_sampler_and_skip
         assert len([batch for batch in other_world]) == 2  # the whole epoch: 3 of 12 rows in batches of 2
     with pytest.raises(ValueError, match="chooses its own sampler"):
         ResumableDataLoader(data, sampler=list(range(11)))
+    with pytest.raises(ValueError, match="`num_replicas` must be a positive int"):
+        ResumableDataLoader(data, num_replicas=0)
+    with pytest.raises(ValueError, match=r"`rank` must be in 0\.\.1"):
+        ResumableDataLoader(data, num_replicas=2, rank=2)

@@ -105,6 +105,12 @@ def route_to_owners(probs: Tensor, every_index: Tensor, apply: Tensor, sizes: li
     Returns:
         ``(K, C)``: the rows with ``apply & (every_index % num_shards == shard)``, in that order.
     """
+    if every_index.shape[0] != sum(sizes) or apply.shape != every_index.shape or probs.shape[0] != sizes[shard]:
+        raise ValueError(
+            f"`every_index` and `apply` must have one entry per gathered row ({sum(sizes)}) and `probs` this rank's "
+            f"{sizes[shard]} rows; got {tuple(every_index.shape)}, {tuple(apply.shape)} and {tuple(probs.shape)}. Fix: "
+            "pass what gather_row_facts returned, with the probabilities of the rows this rank gave it."
+        )
     if num_shards == 1:
         return probs[apply.to(probs.device)]
     _check_group(num_shards)

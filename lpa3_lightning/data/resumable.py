@@ -77,6 +77,14 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0) -> None:
+        if num_replicas is not None and (isinstance(num_replicas, bool) or not isinstance(num_replicas, int)
+                                         or num_replicas < 1):
+            raise ValueError(f"`num_replicas` must be a positive int (the world size) or None (the process "
+                             f"group's), got {num_replicas!r}.")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0
+                                 or (num_replicas is not None and rank >= num_replicas)):
+            raise ValueError(f"`rank` must be in 0..{'num_replicas - 1' if num_replicas is None else num_replicas - 1}"
+                             f" or None (the process group's), got {rank!r}.")
         # not DistributedSampler.__init__, which reads the process group now: a loader is often
         # built before Lightning starts it
         self.dataset, self.shuffle, self.seed, self.epoch, self.drop_last = dataset, shuffle, seed, 0, False

@@ -192,6 +192,8 @@ def test_bad_layouts_and_states_are_refused_by_name():
         ShardedTimeConsistency(12, 2, 0.5, num_shards=2, shard=0).load_state_dict(state)
     with pytest.raises(ValueError, match="other than global rank 0.*load the checkpoint file that rank 0 wrote"):
         two.load_state_dict({**state, "memory": None})
+    with pytest.raises(ValueError, match="one entry per gathered row \\(3\\).*Fix: pass what gather_row_facts"):
+        route_to_owners(torch.rand(2, 2), torch.arange(2), torch.ones(2, dtype=torch.bool), [3], 1, 0)
     # a later fit that keeps the memory another way refuses before any collective (on every rank alike)
     with pytest.raises(ValueError, match="split over 2 processes.*save a checkpoint and resume from it"):
         TimeConsistency(10, 2, 0.5).adopt(two)
