@@ -57,7 +57,7 @@ def record_run(args: argparse.Namespace) -> tuple[list[tuple[int, torch.Tensor, 
         trainer.fit(LPA3Classifier(num_classes=args.num_classes, in_channels=1), datamodule=data)
     finally:
         TimeConsistency.update = original
-    return stream, callback.tcs.num_samples, callback.tcs.num_classes
+    return stream, callback.runner().tcs.num_samples, callback.runner().tcs.num_classes
 
 
 def replay(stream, num_samples: int, num_classes: int, dtype: str

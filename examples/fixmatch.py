@@ -82,7 +82,7 @@ def main(max_epochs: int = 3, limit_train_batches: int | float = 1.0, default_ro
                          enable_progress_bar=False, log_every_n_steps=1)
     trainer.fit(module, datamodule=datamodule)
     logged = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith(("lpa3/", "train/"))}
-    logged["tcs_seen"] = int(callback.tcs.seen.sum())  # unlabeled samples whose weak view fed the memory
+    logged["tcs_seen"] = int(callback.runner().tcs.seen.sum())  # unlabeled samples whose weak view fed the memory
     print(logged)
     return logged
 

@@ -96,7 +96,7 @@ def main(max_epochs: int = 4, limit_train_batches: int | float = 10, default_roo
                          enable_progress_bar=False, log_every_n_steps=1)
     trainer.fit(module, datamodule=datamodule)
     logged = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith(("lpa3/", "train/"))}
-    logged["tcs_seen"] = int(callback.tcs.seen.sum())  # training samples whose logits fed the memory
+    logged["tcs_seen"] = int(callback.runner().tcs.seen.sum())  # training samples whose logits fed the memory
     print(logged)
     return logged
 

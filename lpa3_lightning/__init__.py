@@ -6,7 +6,6 @@ for supervised, FixMatch, PES and DivideMix training and their pieces), ``module
 LightningModules), ``data``, ``models`` and ``cli`` (the ``lpa3`` command).
 """
 
-from lpa3_lightning import _moved
 from lpa3_lightning.core.attack import AttackStats, lpa3_attack
 from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.core.augmented_forward import augmented_logits
@@ -18,9 +17,7 @@ from lpa3_lightning.core.selection import select_below_threshold, selection_thre
 from lpa3_lightning.core.solver_graphs import SolverGraphs
 from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
 
-__version__ = "0.1.0"
-
-_moved.install()  # the module paths from before the folders still import, with a DeprecationWarning
+__version__ = "0.2.0"
 
 __all__ = [
     "AttackStats",

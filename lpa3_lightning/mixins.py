@@ -12,10 +12,6 @@ from lpa3_lightning.methods import (
     split_two_view_batch,
 )
 
-#: a package path, so that the former ``lpa3_lightning.mixins.<module>`` paths reach
-#: :mod:`lpa3_lightning._moved` (they import with a DeprecationWarning)
-__path__: list[str] = []
-
 __all__ = [
     "DivideMixLPA3Mixin", "FixMatchLPA3Mixin", "LPA3ModuleMixin", "PESLPA3Mixin", "SupervisedLPA3Mixin",
     "split_indexed_batch", "split_semi_supervised_batch", "split_two_view_batch",

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import TensorDataset
 
 from lpa3_lightning.data import IndexedDataset
@@ -83,20 +84,26 @@ def indexed_images(n: int = 48, num_classes: int = 3, seed: int = 0) -> IndexedD
     return IndexedDataset(TensorDataset(x, y))
 
 
-def reference_model(model: nn.Module, x_clean: torch.Tensor, twin_bn: bool) -> nn.Module:
+def reference_model(model: nn.Module, x_clean: torch.Tensor, twin_bn: bool = False, mode: str | None = None
+                    ) -> nn.Module:
     """An eval-mode copy normalising as the training forward of x' must.
 
-    With twins: every twin is swapped in for its main BN, and a train-mode forward of the clean
+    ``mode`` (or ``twin_bn=True`` for ``"twin"``): ``"twin"``: every twin is swapped in for its main
+    BN; ``"batch"``: the main BatchNorms themselves; either way a train-mode forward of the clean
     selected samples with momentum 1 writes their batch statistics into the running buffers
     (unbiased variance, made biased again, as BatchNorm normalises with the biased one).
+    ``"eval"`` (default without twins): the running statistics as they are.
     """
+    mode = mode or ("twin" if twin_bn else "eval")
     ref = copy.deepcopy(model)
-    if twin_bn:
+    if mode in ("twin", "batch"):
         for name, module in list(ref.named_modules()):
             for child_name, child in list(module.named_children()):
-                twin = getattr(child, "twin", None)
-                if isinstance(twin, _BatchNorm):
-                    plain = copy.deepcopy(twin)
+                source = getattr(child, "twin", None) if mode == "twin" else child
+                if isinstance(source, _BatchNorm):
+                    plain = copy.deepcopy(source)
+                    if hasattr(plain, "twin"):  # (a dual layer of a model in "batch" mode: its main BN alone)
+                        del plain.twin
                     plain.momentum = 1.0
                     setattr(module, child_name, plain)
         counts: dict[nn.Module, int] = {}
@@ -147,3 +154,30 @@ def dispatched_ops(fn) -> list[str]:
     with Record() as record:
         fn()
     return record.ops
+
+
+def lpa3_state(checkpoint: Any, network: str | None = None) -> dict:
+    """One network's LPA3Callback state (``"tcs"``, ``"cache"``, ...) in a checkpoint (a path or a
+    loaded dict) written with one LPA3Callback."""
+    if not isinstance(checkpoint, dict):
+        checkpoint = torch.load(checkpoint, weights_only=False)
+    (state,) = [s for s in checkpoint["callbacks"].values() if isinstance(s, dict) and "networks" in s and "seed" in s]
+    return state["networks"]["" if network is None else network]
+
+
+class GlobalRandomState(Callback):
+    """The user's part of a bitwise resume with dropout or random transforms in the main process:
+    torch's global generator, which neither Lightning nor LPA3Callback checkpoints, saved with the
+    checkpoint and restored when training starts again."""
+
+    restore: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.restore = state_dict["cpu"]
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.restore is not None:
+            torch.set_rng_state(self.restore)

@@ -4,6 +4,8 @@ nor trips DDP over unused twin-BN parameters, and rank 0's checkpoint holds the 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +18,23 @@ from torch.utils.data import DistributedSampler
 from lpa3_lightning import TimeConsistency
 from lpa3_lightning.core.distributed import bytes_per_sample, deduplicate_first, gather_predictions
 from tests.ddp.run_ddp import EPOCHS, N_PADDED, PER_RANK_BATCH, N, no_bn_net
-from tests.helpers import indexed_images
+from tests.helpers import indexed_images, lpa3_state
 
 SCRIPT = Path(__file__).resolve().parent / "ddp" / "run_ddp.py"
 pytestmark = pytest.mark.ddp
 
 
-def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True,
-                          timeout=300, cwd=SCRIPT.parents[2])
+def _run(tmp_path: Path, mode: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """One launch of two processes; a hang fails after ``timeout`` seconds (the watchdog kills both)."""
+    launch = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), mode], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=SCRIPT.parents[2], start_new_session=True)
+    try:
+        stdout, stderr = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)  # rank 1 is a child of rank 0: the whole group
+        stdout, stderr = launch.communicate()
+        pytest.fail(f"{mode}: the two processes did not end in {timeout} s (a hang)\n{stdout[-2000:]}{stderr[-2000:]}")
+    return subprocess.CompletedProcess(launch.args, launch.returncode, stdout, stderr)
 
 
 #: the runs that end normally, made one after the other in one launch of two processes (their
@@ -107,7 +117,7 @@ def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shar
     torch.testing.assert_close(rank0["tcs"]["scores"], reference.scores, atol=1e-5, rtol=0)
 
     # rank 0 wrote the checkpoint: it holds the synced memory
-    saved = torch.load(shared / ("ignore_aug" + path) / "final.ckpt", weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
+    saved = lpa3_state(shared / ("ignore_aug" + path) / "final.ckpt")["tcs"]
     assert torch.equal(saved["memory"], rank0["tcs"]["memory"])
 
 
@@ -275,3 +285,32 @@ def test_every_rank_makes_the_same_synced_batchnorm_forwards(shared, mode):
     assert rank0["synced_forwards"] == rank1["synced_forwards"]
     if mode == "syncbn_pes_grid":
         assert rank0["grid"] is not None and rank1["grid"] is not None  # made on both, logged by rank 0
+
+
+def test_an_override_that_differs_by_rank_stops_every_rank_with_its_name(tmp_path):
+    """``lpa3_consumes_augmented`` answering True on rank 0 and False on rank 1: every rank stops
+    with the override's name (the step's one reduction carries the decision), none waits for ever."""
+    done = _run(tmp_path, "consumes_rank0", timeout=180)  # the watchdog: a hang fails here
+    assert done.returncode != 0
+    log = done.stdout + done.stderr
+    assert "lpa3_consumes_augmented" in log and "every rank" in log
+
+
+def test_a_rank_zero_only_state_dict_of_a_sharded_memory_fails_at_once(tmp_path):
+    """``if trainer.is_global_zero: callback.state_dict()`` on a memory split over the ranks: rank 0
+    is told at once how to save it (no collective that rank 1 never joins); the run ends."""
+    done = _run(tmp_path, "state_dict_rank0", timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert rank0["layout"] == "ShardedTimeConsistency"
+    assert "split over 2 processes" in rank0["outcome"] and "save_checkpoint" in rank0["outcome"]
+    assert rank1["outcome"] == "returned"
+
+
+def test_an_ordinary_ddp_run_keeps_the_whole_memory_on_every_rank(shared):
+    """``memory_layout='auto'`` splits the memory only where it pays (hundreds of MB): a run of 48
+    samples keeps every row on every rank, so ``callback.tcs.memory`` means the same on each."""
+    rank0, rank1 = _results(shared, "supervised")
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key
+    assert rank0["tcs"]["memory"].shape == (N, 3)

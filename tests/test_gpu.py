@@ -123,7 +123,7 @@ def test_fit_in_each_precision(tmp_path, device, precision):
 
     class Where(pl.Callback):  # the memory's device during the fit (teardown may move things)
         def on_train_epoch_end(self, trainer, pl_module):
-            seen_on.append(callback.tcs.memory.device.type)
+            seen_on.append(callback.runner().tcs.memory.device.type)
 
     trainer = _trainer(tmp_path, [callback, Where()], precision=precision, limit_train_batches=4, device=device)
     trainer.fit(module, datamodule=_breast(device))
@@ -133,7 +133,7 @@ def test_fit_in_each_precision(tmp_path, device, precision):
     assert float(metrics["lpa3/perceptual_distance_epoch"]) > 0
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
     rows = trainer.num_training_batches * trainer.datamodule.batch_size
-    assert rows <= int(callback.tcs.seen.sum()) <= 546  # each epoch recorded its batches
+    assert rows <= int(callback.runner().tcs.seen.sum()) <= 546  # each epoch recorded its batches
     # the GPU's default, the sync-free path, keeps the memory beside the model (selection and
     # update then read nothing back to the host); no solver timing (it would synchronise)
     assert seen_on == [device, device] and "lpa3/solver_seconds_epoch" not in metrics
@@ -156,7 +156,7 @@ def test_cache_and_checkpoint_resume(tmp_path, device):
     trainer2.fit(_module(device), datamodule=_breast(device),
                  ckpt_path=ckpt)
     assert trainer2.current_epoch == 3
-    assert int(resumed.tcs.seen.sum()) >= saved_seen  # restored, then extended by epoch 2
+    assert int(resumed.runner().tcs.seen.sum()) >= saved_seen  # restored, then extended by epoch 2
     assert float(trainer2.callback_metrics["lpa3/label_preserved_epoch"]) >= 0.99
 
 
@@ -170,15 +170,15 @@ def test_the_x_prime_cache_lives_beside_the_model_and_reuse_reads_it_there(tmp_p
 
     class Look(pl.Callback):  # the store and a read of it while the fit runs
         def on_train_epoch_end(self, trainer, pl_module):
-            fresh = callback.cache.written >= 0
-            during["store"] = callback.cache.storage.device.type
-            during["read"] = callback.cache.get(fresh.nonzero().flatten()[:4].cuda()).device.type
+            fresh = callback.runner().store.written >= 0
+            during["store"] = callback.runner().store.storage.device.type
+            during["read"] = callback.runner().store.get(fresh.nonzero().flatten()[:4].cuda()).device.type
 
     trainer = _trainer(tmp_path, [callback, Look()], limit_train_batches=3)
     trainer.fit(LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2), datamodule=_breast())
     assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) > 0
     assert during == ({"store": "cuda", "read": "cuda"} if on_device else {"store": "cpu", "read": "cpu"})
-    assert callback.cache.storage.device.type == "cpu"  # offloaded at the end of the fit
+    assert callback.runner().store.storage.device.type == "cpu"  # offloaded at the end of the fit
 
 
 # ---------------------------------------------------------------- the sync-free path on the device
@@ -261,7 +261,7 @@ def test_sync_free_fit_keeps_the_memory_on_the_device(tmp_path, device):
     callback = _callback(device, ratio=0.3, steps=2, seed=0)  # sync_free="auto": on here on a GPU
     trainer = _trainer(tmp_path, [callback], max_epochs=2, device=device)
     trainer.fit(module, datamodule=_breast(device))
-    assert callback.tcs.memory.device.type == device
+    assert callback.runner().tcs.memory.device.type == device
     assert float(trainer.callback_metrics["lpa3/label_preserved_epoch"]) >= 0.99
     assert "lpa3/solver_seconds_epoch" not in trainer.callback_metrics
 

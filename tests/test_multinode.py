@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import lpa3_state
 from torch.utils.data import DistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +80,7 @@ def test_a_rank_killed_mid_epoch_resumes_under_torchrun_equal_to_an_uninterrupte
             assert torch.cat(a["indices"][3 * epoch:3 * epoch + 3]).tolist() == list(sampler)
         assert torch.cat(b["indices"]).tolist() == torch.cat(a["indices"][4:]).tolist()
         assert b["steps"] == a["steps"][4:]  # the restarted processes ran only the steps after the loss
-        assert a["sharded"] == b["sharded"] == "ShardedTimeConsistency"  # the default under DDP
+        assert a["sharded"] == b["sharded"] == "ShardedTimeConsistency"  # (selection.memory_layout="sharded")
         for key in ("scores", "seen", "threshold"):
             assert torch.equal(a["tcs"][key], b["tcs"][key]), (rank, key)
         if rank == 0:  # rank 0's state assembles the whole memory
@@ -119,7 +121,7 @@ def test_a_cli_config_on_two_torchrun_nodes_equals_one_node_with_two_processes(t
     _finish(_start(["--standalone", "--nproc_per_node", "2", *CLI_RUN, "--trainer.devices", "2",
                     "--trainer.num_nodes", "1", "--trainer.default_root_dir", str(tmp_path / "one_node")]))
     two, one = _lpa3_checkpoint(tmp_path / "two_nodes"), _lpa3_checkpoint(tmp_path / "one_node")
-    tcs_two, tcs_one = two["callbacks"]["LPA3Callback"]["tcs"], one["callbacks"]["LPA3Callback"]["tcs"]
+    tcs_two, tcs_one = lpa3_state(two)["tcs"], lpa3_state(one)["tcs"]
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(tcs_two[key], tcs_one[key]), key
     assert int(tcs_one["seen"].sum()) >= 2 * 8  # an epoch's batch on each of 2 processes: both ranks' rows

@@ -13,23 +13,24 @@ import time
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lpa3_lightning.callback.selection_stage import Selection
-from lpa3_lightning.callback.settings import SolverSettings
+from lpa3_lightning.callback.settings import RunSettings
 from lpa3_lightning.core.attack import lpa3_attack
 from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request, selected_positions
 from lpa3_lightning.core.augmented_forward import running_statistics
 from lpa3_lightning.core.batch_plan import assemble_inputs, plan_rows
+from lpa3_lightning.core.batch_statistics import resolve_bn_mode
 from lpa3_lightning.core.cache import AugmentationCache
-from lpa3_lightning.core.dual_bn import has_dual_bn
 from lpa3_lightning.core.feature_layers import resolve_layers
 from lpa3_lightning.core.input_box import InputRange, resolve_input_range
 from lpa3_lightning.core.model_outputs import eval_mode, unwrap_compiled
 from lpa3_lightning.core.solver_forward import label_log_prob, parameter_dtype
 from lpa3_lightning.core.solver_graphs import SolverGraphs
 
-__all__ = ["Augmenter", "NewRows", "batch_noise_seed"]
+__all__ = ["Augmenter", "NewRows", "batch_noise_seed", "check_logits", "warn_outside_box"]
 
 #: (dataset indices, x', labels) of the rows solved in this batch, for the cache
 NewRows = tuple[Tensor, Tensor, Tensor]
@@ -58,69 +59,36 @@ def _drop_selected(mask: Tensor, drop: Tensor) -> Tensor:
 
 
 class Augmenter:
-    """One network's solver with the callback's settings, and what the last batch left for the
-    steps after it (the reference ``log p`` of the trained rows, the eval-mode check, the time).
+    """One network's solver with the fit's settings, and what the last batch left for the steps
+    after it (the reference ``log p`` of the trained rows, the eval-mode check, the time).
 
     Args:
-        callback: the :class:`~lpa3_lightning.LPA3Callback` whose settings it reads (sigma,
-            steps, the solver group, the layers, the seed, ``logging.eval_preservation``).
-        seed_offset: added to the callback's seed (a module's second network draws other noise);
+        settings: the fit's resolved settings.
+        seed_offset: added to the base seed (a module's second network draws other noise);
             each batch's noise is seeded by (seed, rank, epoch, batch index).
     """
 
-    def __init__(self, callback: Any, seed_offset: int = 0) -> None:
-        self.callback, self.seed_offset = callback, seed_offset
-        self.rank = 0
-        self.sync_free = False
-        self.graphs: SolverGraphs | None = None  # made for a fit when the solver runs as CUDA graphs
-        self.input_range: InputRange = None  # resolved for the fit (the data module's normalisation)
+    def __init__(self, settings: RunSettings, seed_offset: int = 0) -> None:
+        self.settings, self.seed = settings, settings.seed + seed_offset
+        self.graphs: SolverGraphs | None = SolverGraphs() if settings.runtime.cuda_graphs else None
         self.layer_names: list[str] | None = None  # resolved once a fit, by a probe forward for the default
         self.batch_key = (0, 0)  # (epoch, batch index): the noise seed of the batch being augmented
         self._generator: torch.Generator | None = None
         self._solver_range: tuple[tuple[Any, ...], InputRange] | None = None
+        self._range_checked = False
         # what the last batch left for the steps after it
         self.pending: tuple[Tensor, Tensor] | None = None  # (clean log p(y|x), y) of the x' to be trained
         self.eval_preserved: Tensor | None = None
         self.solver_seconds: float | None = None
 
-    def start_fit(self, rank: int, sync_free: bool, graphs: bool, input_range: InputRange) -> None:
-        self.rank, self.sync_free, self.input_range = rank, sync_free, input_range
-        self.graphs = SolverGraphs() if graphs else None
-        self._solver_range, self.layer_names = None, None  # the model may differ from an earlier fit's
-        self.pending = None
-
-    # the callback's settings, read when used (they may be changed between construction and fit)
-    @property
-    def sigma(self) -> float:
-        return self.callback.sigma
-
-    @property
-    def steps(self) -> int:
-        return self.callback.steps
-
-    @property
-    def solver(self) -> SolverSettings:
-        return self.callback.solver
-
-    @property
-    def layers(self) -> Any:
-        return self.callback.layers
-
-    @property
-    def seed(self) -> int | None:
-        return None if self.callback.seed is None else self.callback.seed + self.seed_offset
-
-    @property
-    def eval_preservation(self) -> bool:
-        return self.callback.logging.eval_preservation
-
     # ------------------------------------------------------------------ the batch
     def augment(self, module: Any, request: LPA3Request, selection: Selection, cache: AugmentationCache | None,
-                epoch: int, solver_runs: bool) -> tuple[AugmentedBatch, NewRows | None]:
+                epoch: int, solver_runs: bool, measure: bool) -> tuple[AugmentedBatch, NewRows | None]:
         """This rank's hard positives (no collective) and, with a cache, its newly solved rows.
 
         ``solver_runs``: with a cache, whether the solver runs in this epoch for rows without a
-        fresh cached ``x'`` (without a cache it always does).
+        fresh cached ``x'`` (without a cache it always does). ``measure``: whether this step's
+        diagnostics are measured (the eval-mode check, the solver's time).
         """
         mask = selection.mask
         rows = selected_positions(mask, selection.count)
@@ -133,7 +101,7 @@ class Augmenter:
                 mask = _drop_selected(mask, ~plan.keep)
                 x, y, idx = x[plan.keep], y[plan.keep], idx[plan.keep]
             reuse, solve = plan.reuse[plan.keep], plan.solve[plan.keep]
-        # The clean selected rows set the twin statistics (and the training forward's), whether or
+        # The clean selected rows set the batch statistics (and the training forward's), whether or
         # not the module trains their x'; the rows it will not train (request.train_mask) are not
         # solved. With a cache every selected row is solved: a row skipped now could not be reused
         # in a later epoch where the module trains it, which would change that epoch's loss.
@@ -146,31 +114,30 @@ class Augmenter:
             x, y, idx = (t.index_select(0, trained.to(t.device)) for t in (x, y, idx))
         model, bn_mode = self.attack_model(module, reference_x)
         stats, bn_statistics, self.pending, self.eval_preserved = None, None, None, None
-        self.solver_seconds = None if self.sync_free else 0.0
+        self.solver_seconds = None
         x_out, new_rows = x.detach().clone(), None
         if x.shape[0]:
-            twin_statistics, bn_statistics = self.reference_forward(module, model, reference_x, reference_y, bn_mode,
-                                                                    trained)
+            frozen, bn_statistics = self.reference_forward(module, model, reference_x, reference_y, bn_mode, trained)
             to_solve = x if solve is None else x[solve]
             solved = to_solve
             if to_solve.shape[0]:
                 solved, stats = self._timed_solve(module, model, to_solve, y if solve is None else y[solve], bn_mode,
-                                                  twin_statistics)
+                                                  frozen, timed=measure and not self.settings.sync_free)
             if cache is None:
                 x_out = solved
             else:
                 from_cache = cache.get(idx[reuse]) if bool(reuse.any()) else None  # type: ignore[union-attr]
                 x_out = assemble_inputs(x, solve, solved, reuse, from_cache)
                 new_rows = (idx[solve], solved.detach(), y[solve])
-            if self.eval_preservation:
+            if measure and self.settings.logging.eval_preservation:
                 self.eval_preserved = self.preserved_in_eval_mode(module, model, x, x_out, y)
         elif cache is not None:
             new_rows = (idx[:0], x[:0].detach(), y[:0])
         augmented = AugmentedBatch(
             inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats,
             reused=0 if reuse is None else int(reuse.sum()), bn_mode=bn_mode, bn_statistics=bn_statistics,
-            allow_tf32=self.solver.allow_tf32,
-            reference_inputs=reference_x.detach() if bn_mode == "twin" and x.shape[0] else None, skipped=skipped,
+            allow_tf32=self.settings.solver.allow_tf32,
+            reference_inputs=reference_x.detach() if bn_mode != "eval" and x.shape[0] else None, skipped=skipped,
             from_cache=reuse)
         return augmented, new_rows
 
@@ -180,87 +147,123 @@ class Augmenter:
         those whose hooks fire in the solver's forwards, probed once with the first selected rows."""
         model = unwrap_compiled(module.lpa3_model())
         if self.layer_names is None and x.shape[0]:
-            self.check_logit_width(module, model, x)
-            self.layer_names = resolve_layers(model, self.layers, example_input=x)
-        mode = self.solver.attack_bn
-        return model, ("twin" if has_dual_bn(model) else "eval") if mode == "auto" else mode
-
-    @staticmethod
-    def check_logit_width(module: Any, model: nn.Module, x: Tensor) -> None:
-        """Once a fit, before the first solve: the logits must have ``lpa3_num_classes`` columns
-        (narrower ones would fail deep inside the solver's gather; wider ones would size the TCS
-        memory wrongly). One no-grad forward of one row in eval mode, flags restored."""
-        with torch.no_grad(), eval_mode(model):
-            width = module.lpa3_logits(model(x[:1])).shape[-1]
-        expected = module.lpa3_num_classes
-        if width != expected:
-            raise ValueError(
-                f"{type(module).__name__}'s model gives logits of {width} classes but lpa3_num_classes is {expected}. "
-                "Fix: set `self.lpa3_num_classes` to the width of the model's logits (the number of classes), or "
-                "make `lpa3_logits` return one column per class."
-            )
+            check_logits(module, model, x)
+            self.layer_names = resolve_layers(model, self.settings.layers, example_input=x)
+        return model, resolve_bn_mode(model, self.settings.solver.attack_bn)
 
     def reference_forward(self, module: Any, model: nn.Module, x: Tensor, y: Tensor, bn_mode: str,
                           trained: Tensor | None = None) -> tuple[Any, Any]:
         """The clean ``log p(y|x)`` of the selected rows under the normalisation that the solver
         checks and the training forward of x' uses (kept, for the rows at the positions
-        ``trained`` or all, to measure ``lpa3/label_preserved`` after the step). Returns the twin
-        BatchNorms' batch statistics of all these clean rows (captured here and frozen; None
-        without twins) and the statistics x' is trained under."""
-        reference, twin_statistics = label_log_prob(
-            model, x, y, bn_mode=bn_mode, logits_fn=module.lpa3_logits, temperature=self.solver.temperature,
-            allow_tf32=self.solver.allow_tf32)
+        ``trained`` or all, to measure ``lpa3/label_preserved`` after the step). Returns the frozen
+        batch statistics of all these clean rows (None in ``"eval"`` mode) and the statistics x'
+        is trained under."""
+        solver = self.settings.solver
+        reference, frozen = label_log_prob(
+            model, x, y, bn_mode=bn_mode, logits_fn=module.lpa3_logits, temperature=solver.temperature,
+            allow_tf32=solver.allow_tf32)
         self.pending = (reference, y) if trained is None else \
             (reference.index_select(0, trained.to(reference.device)), y.index_select(0, trained.to(y.device)))
-        return twin_statistics, twin_statistics if bn_mode == "twin" else running_statistics(model)
+        return frozen, frozen if bn_mode != "eval" else running_statistics(model)
 
     def preserved_in_eval_mode(self, module: Any, model: nn.Module, x: Tensor, x_adv: Tensor, y: Tensor) -> Tensor:
         """Whether each x' keeps the constraint in the deployed model (eval mode, main BN)."""
+        solver = self.settings.solver
         logp, _ = label_log_prob(model, torch.cat([x, x_adv]), torch.cat([y, y]), bn_mode="eval",
-                                 logits_fn=module.lpa3_logits, temperature=self.solver.temperature,
-                                 allow_tf32=self.solver.allow_tf32)
+                                 logits_fn=module.lpa3_logits, temperature=solver.temperature,
+                                 allow_tf32=solver.allow_tf32)
         clean, adv = logp.chunk(2)
-        return adv >= clean - self.sigma
+        return adv >= clean - self.settings.sigma
 
-    def _timed_solve(self, module: Any, model: nn.Module, x: Tensor, y: Tensor, bn_mode: str,
-                     twin_statistics: Any) -> tuple[Tensor, Any]:
+    def _timed_solve(self, module: Any, model: nn.Module, x: Tensor, y: Tensor, bn_mode: str, frozen: Any,
+                     timed: bool) -> tuple[Tensor, Any]:
         start = time.perf_counter()
-        x_adv, stats = self.solve(module, model, x, y, self.generator_for(x), bn_mode, twin_statistics)
-        if not self.sync_free:  # (timing needs a synchronisation: not on the sync-free path)
+        x_adv, stats = self.solve(module, model, x, y, self.generator_for(x), bn_mode, frozen)
+        if timed:  # (timing needs a synchronisation: not on the sync-free path)
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
             self.solver_seconds = time.perf_counter() - start
         return x_adv, stats
 
     def solve(self, module: Any, model: nn.Module, x: Tensor, y: Tensor, generator: torch.Generator | None,
-              bn_mode: str, twin_statistics: Any = None, graphs: bool = True) -> tuple[Tensor, Any]:
-        """The solver with this callback's settings (training batches and logged grids alike;
+              bn_mode: str, frozen: Any = None, graphs: bool = True) -> tuple[Tensor, Any]:
+        """The solver with this fit's settings (training batches and logged grids alike;
         ``graphs=False``: never through a CUDA graph, for a one-off solve such as a grid)."""
-        s = self.solver
+        s, solver = self.settings, self.settings.solver
         return lpa3_attack(
-            model, x, y, sigma=self.sigma, steps=self.steps, lam=s.lam,
-            layers=self.layer_names if self.layer_names is not None else self.layers,
-            input_range=self._range_for(x, parameter_dtype(model, x.dtype)), temperature=s.temperature,
-            generator=generator, project=s.project, bn_mode=bn_mode, logits_fn=module.lpa3_logits, fast=s.fast,
-            max_step=s.max_step, allow_tf32=s.allow_tf32, twin_statistics=twin_statistics, return_stats=True,
-            sync_free=self.sync_free, graphs=self.graphs if graphs else None)
+            model, x, y, sigma=s.sigma, steps=s.steps, lam=solver.lam,
+            layers=self.layer_names if self.layer_names is not None else s.layers,
+            input_range=self._range_for(x, parameter_dtype(model, x.dtype)), temperature=solver.temperature,
+            generator=generator, project=solver.project, bn_mode=bn_mode, logits_fn=module.lpa3_logits,
+            fast=solver.fast, max_step=solver.max_step, allow_tf32=solver.allow_tf32, bn_statistics=frozen,
+            return_stats=True, sync_free=s.sync_free, graphs=self.graphs if graphs else None)
 
     def _range_for(self, x: Tensor, dtype: torch.dtype) -> InputRange:
         """The input range as ``(low, high)`` tensors on ``x``'s device in the solver's ``dtype``,
         resolved (its values checked on the host) once per device, dtype and input shape instead
-        of at every solve: building them from Python numbers is a host-to-device copy."""
-        if self.input_range is None:
+        of at every solve: building them from Python numbers is a host-to-device copy. The first
+        resolution also checks that the inputs lie in the box (one host read a fit)."""
+        if self.settings.input_range is None:
             return None
         key = (x.device, dtype, tuple(x.shape[1:]))
         if self._solver_range is None or self._solver_range[0] != key:
-            self._solver_range = (key, resolve_input_range(self.input_range, x[:1].to(dtype)))
+            self._solver_range = (key, resolve_input_range(self.settings.input_range, x[:1].to(dtype)))
+            if not self._range_checked:
+                self._range_checked = True
+                warn_outside_box(x, self._solver_range[1], self.settings.input_range)
         return self._solver_range[1]
 
-    def generator_for(self, x: Tensor) -> torch.Generator | None:
+    def generator_for(self, x: Tensor) -> torch.Generator:
         """The solver's generator for this batch, seeded by (seed, rank, epoch, batch index)."""
-        if self.seed is None:
-            return None
         if self._generator is None or self._generator.device != x.device:
             self._generator = torch.Generator(device=x.device)
-        self._generator.manual_seed(batch_noise_seed(self.seed, self.rank, *self.batch_key))
+        self._generator.manual_seed(batch_noise_seed(self.seed, self.settings.rank, *self.batch_key))
         return self._generator
+
+
+def check_logits(module: Any, model: nn.Module, x: Tensor) -> None:
+    """Once a fit, before the first solve: the logits must be ``(N, lpa3_num_classes)`` (narrower
+    ones would fail deep inside the solver's gather; wider ones would size the TCS memory wrongly).
+    One no-grad forward of one row in eval mode, flags restored.
+
+    Raises:
+        ValueError: naming ``lpa3_logits`` / ``lpa3_num_classes`` and the fix.
+    """
+    with torch.no_grad(), eval_mode(model):
+        logits = module.lpa3_logits(model(x[:1]))
+    if logits.dim() != 2:
+        raise ValueError(
+            f"{type(module).__name__}.lpa3_logits gives logits of shape {tuple(logits.shape)} for one input; LP-A3 "
+            "needs (N, classes). Fix: make `lpa3_logits(output)` return the (N, classes) logits of the model's output "
+            "(e.g. `return output.flatten(1)` or `return output[0]`)."
+        )
+    expected = module.lpa3_num_classes
+    if logits.shape[-1] != expected:
+        raise ValueError(
+            f"{type(module).__name__}'s model gives logits of {logits.shape[-1]} classes but lpa3_num_classes is "
+            f"{expected}. Fix: set `self.lpa3_num_classes` to the width of the model's logits (the number of classes), "
+            "or make `lpa3_logits` return one column per class."
+        )
+
+
+#: A box is taken to exclude the data when more than this share of the input values lies outside it.
+OUTSIDE_BOX_SHARE = 0.01
+
+
+def warn_outside_box(x: Tensor, bounds: tuple[Tensor, Tensor] | None, input_range: Any) -> None:
+    """Warn (once a fit, on the first rows solved) when more than 1% of the input values lie
+    outside the solver's box: the clamp would then move ``x'`` far from ``x`` by itself."""
+    if bounds is None or not x.numel():
+        return
+    low, high = bounds
+    slack = 1e-4 * (high - low)
+    outside = float(((x < low - slack) | (x > high + slack)).float().mean())
+    if outside > OUTSIDE_BOX_SHARE:
+        low_v, high_v = float(low.min()), float(high.max())
+        rank_zero_warn(
+            f"LPA3Callback: {100 * outside:.1f}% of the input values of the first selected rows lie outside the "
+            f"solver's input box [{low_v:.3g}, {high_v:.3g}] (input_range={input_range!r}); the solver clamps x' "
+            "into the box, so those x' jump to its edge instead of following the model's features. Fix: give "
+            "input_range the range of the inputs as the model receives them: (low, high), or {'mean': [...], "
+            "'std': [...]} of the normalisation applied to [0, 1] data, or None for unbounded inputs."
+        )

@@ -8,27 +8,38 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import default_collate
-from torchmetrics import SumMetric
 
 from lpa3_lightning.callback.augment_stage import Augmenter
 from lpa3_lightning.callback.epoch_mean import NanIgnoringMean
 from lpa3_lightning.core.augmented import AugmentedBatch
 from lpa3_lightning.core.model_outputs import unwrap_compiled
+from lpa3_lightning.core.solver_forward import label_logp
 from lpa3_lightning.core.visualize import comparison_grid
 
-__all__ = ["EPOCH_MEANS", "EpochLog", "log_grid"]
+__all__ = ["BARELY_MOVED", "EPOCH_MEANS", "EpochLog", "log_grid"]
 
 #: Per-epoch diagnostics, each a torchmetrics aggregate synced across processes at epoch end.
 EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "skipped_fraction", "reused_fraction",
                "perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
 
 
+#: The per-``x'`` quantities: measured where a step has ``x'``, NaN where it has none.
+PER_X_PRIME = ("perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
+
+#: An ``x'`` closer than this to its ``x`` in the model's feature space (each layer's block has
+#: norm 1 per sample, so distances run up to ``2 sqrt(layers)``) barely moved.
+BARELY_MOVED = 1e-3
+
+
 class EpochLog:
     """One network's logged statistics (``lpa3/<name>`` or ``lpa3/<network>/<name>``).
+
+    The per-step values and the epoch means are measured on the steps the fit's
+    ``logging.every_n_steps`` picks (the Trainer's ``log_every_n_steps`` by default, the steps
+    Lightning writes); the counts behind the warnings on every step, on the device.
 
     Args:
         prefix: the log keys' prefix (``"lpa3/"``, ``"lpa3/net1/"``).
@@ -39,18 +50,20 @@ class EpochLog:
     def __init__(self, prefix: str, metric_prefix: str, names: tuple[str, ...]) -> None:
         self.prefix, self.metric_prefix = prefix, metric_prefix
         self.means = {name: NanIgnoringMean() for name in names}
-        self.nonfinite_inputs = SumMetric(nan_strategy="disable")  # host counts: never NaN
+        self.nonfinite_inputs = 0  # host counts of this epoch (the selection reads them anyway)
+        self._moved: Tensor | None = None  # (solved, barely moved, of those projected) this epoch, on the device
         self._warned_unmeasured = False
 
     def to(self, device: torch.device) -> None:
-        for metric in [*self.means.values(), self.nonfinite_inputs]:
+        for metric in self.means.values():
             metric.to(device)
+        self._moved = torch.zeros(3, dtype=torch.long, device=device)
 
     def mean(self, module: Any, name: str, value: Tensor | float | None, weight: int) -> None:
-        """Per step on this process (when there is a value), per epoch over all processes.
+        """One measured step's value (NaN on the step where there is none), and the epoch mean.
 
-        Every process logs the epoch aggregate at every step, also without a value, so the
-        metric's cross-process sync at epoch end meets every process.
+        Every process logs the epoch aggregate at every measured step, also without a value, so
+        the metric's cross-process sync at epoch end meets every process.
         """
         metric = self.means.get(name)
         if metric is None:
@@ -60,42 +73,50 @@ class EpochLog:
             # a Python number becomes a device tensor by a fill, not a host-to-device copy (a sync)
             value = value.float() if isinstance(value, Tensor) else torch.full((), float(value), device=module.device)
             metric.update(value, weight)
-            module.log(f"{key}_step", value, on_step=True, on_epoch=False, batch_size=weight)
+        else:  # a quantity that does not exist in this step: not the last step's value again
+            value = torch.full((), float("nan"), device=module.device)
+        module.log(f"{key}_step", value, on_step=True, on_epoch=False, batch_size=max(weight, 1))
         module.log(f"{key}_epoch", metric, on_step=False, on_epoch=True, metric_attribute=f"{self.metric_prefix}{name}")
 
-    def batch(self, module: Any, batch_size: int, augmented: AugmentedBatch, tcs_selected: int, nonfinite: int,
-              augmenter: Augmenter) -> None:
-        """The statistics of one batch's hard positives."""
-        n = batch_size
-        self.mean(module, "selected_fraction", len(augmented) / max(n, 1), n)
-        self.mean(module, "tcs_selected_fraction", tcs_selected / max(n, 1), n)
-        self.mean(module, "skipped_fraction", augmented.skipped / max(n, 1), n)
-        self.nonfinite_inputs.update(torch.full((), float(nonfinite), device=module.device))
-        module.log(f"{self.prefix}nonfinite_inputs", self.nonfinite_inputs, on_step=False, on_epoch=True,
-                   metric_attribute=f"{self.metric_prefix}nonfinite_inputs")
-        self.mean(module, "reused_fraction", augmented.reused / max(len(augmented), 1), len(augmented))
+    def count_moves(self, augmented: AugmentedBatch) -> None:
+        """Every step: how many of the solved ``x'`` barely moved, and how many of those the
+        bisection pulled back (device counts, read once an epoch)."""
         stats = augmented.stats
+        if stats is None or self._moved is None or not len(stats.preserved):
+            return
+        barely = ~(stats.perceptual_distance >= BARELY_MOVED)  # (a NaN distance: x' came back as x)
+        self._moved += torch.stack([torch.ones_like(barely).sum(), barely.sum(), (barely & stats.projected).sum()])
+
+    def batch(self, module: Any, batch_size: int, augmented: AugmentedBatch | None, tcs_selected: int,
+              augmenter: Augmenter) -> None:
+        """The statistics of one measured batch's hard positives (None: the step solved nothing)."""
+        n = max(batch_size, 1)
+        m = 0 if augmented is None else len(augmented)
+        self.mean(module, "selected_fraction", m / n, batch_size)
+        self.mean(module, "tcs_selected_fraction", tcs_selected / n, batch_size)
+        self.mean(module, "skipped_fraction", 0 if augmented is None else augmented.skipped / n, batch_size)
+        self.mean(module, "reused_fraction", None if augmented is None else augmented.reused / max(m, 1), m)
+        stats = None if augmented is None else augmented.stats
         solved = 0 if stats is None else len(stats.preserved)
         # per-sample statistics: averaged over the solved samples, not the whole batch;
         # tensors, not floats: Lightning accumulates them without a host copy here
         self.mean(module, "perceptual_distance", None if stats is None else stats.perceptual_distance.mean(), solved)
         self.mean(module, "projected", None if stats is None else stats.projected.float().mean(), solved)
-        seconds = augmenter.solver_seconds  # None on the sync-free path (not timed)
-        self.mean(module, "solver_seconds", seconds if solved and seconds is not None else None,
-                  1 if solved and seconds is not None else 0)
+        seconds = augmenter.solver_seconds  # None when not timed (the sync-free path)
+        self.mean(module, "solver_seconds", seconds if solved else None, 1 if solved and seconds is not None else 0)
         kept = augmenter.eval_preserved
         self.mean(module, "label_preserved_eval", None if kept is None else kept.float().mean(),
                   0 if kept is None else len(kept))
 
     def trained_preservation(self, module: Any, pending: tuple[Tensor, Tensor] | None, sigma: float,
                              temperature: float, untaken: bool) -> None:
-        """``lpa3/label_preserved`` from the logits of the forward that trained on x'."""
+        """``lpa3/label_preserved`` on a measured step, from the logits of the forward that trained on x'."""
         logits = module.lpa3_pop_augmented_logits() if hasattr(module, "lpa3_pop_augmented_logits") else None
         kept: Tensor | None = None
         if pending is not None:
             reference, y = pending
             if logits is not None and logits.shape[0] == y.shape[0]:
-                logp = F.log_softmax(logits.float() / temperature, dim=1).gather(1, y[:, None].long()).squeeze(1)
+                logp = label_logp(logits.detach(), y.long(), temperature)
                 kept = logp >= reference.to(logp.device) - sigma
             elif not untaken and not self._warned_unmeasured:
                 rank_zero_warn(
@@ -108,12 +129,31 @@ class EpochLog:
                 self._warned_unmeasured = True
         self.mean(module, "label_preserved", None if kept is None else kept.float().mean(), 0 if kept is None else len(kept))
 
-    def epoch_end(self, module: Any, nonfinite_predictions: Tensor | int, threshold: float | None) -> None:
-        # the counts are of all ranks' gathered predictions: equal on every rank, like the threshold
+    def epoch_end(self, module: Any, nonfinite_predictions: int, threshold: float | None, sigma: float,
+                  bn_mode: str | None) -> None:
+        """The epoch's counts and threshold; one warning when most of its ``x'`` barely moved."""
+        # the prediction counts are of all ranks' gathered rows: equal on every rank, like the threshold
         module.log(f"{self.prefix}nonfinite_predictions", float(nonfinite_predictions), sync_dist=True,
                    reduce_fx="max")
+        module.log(f"{self.prefix}nonfinite_inputs", float(self.nonfinite_inputs), sync_dist=True, reduce_fx="sum")
+        self.nonfinite_inputs = 0
         if threshold is not None:
             module.log(f"{self.prefix}threshold", threshold, sync_dist=True, reduce_fx="max")
+        if self._moved is None:
+            return
+        solved, barely, projected = (int(v) for v in self._moved.tolist())  # one host read an epoch
+        self._moved.zero_()
+        if solved and barely > solved / 2:
+            rank_zero_warn(
+                f"LPA3Callback: {100 * barely / solved:.0f}% of this epoch's {solved} x' barely moved "
+                f"(perceptual distance < {BARELY_MOVED:g}{'' if self.prefix == 'lpa3/' else ', ' + self.prefix[5:-1]}); "
+                f"{100 * projected / max(barely, 1):.0f}% of those were pulled back to x by the bisection that keeps "
+                f"log p(y|x') >= log p(y|x) - sigma. Training gets its clean inputs back. Likely causes: the model's "
+                f"log-probability changes by more than sigma={sigma:g} within the smallest move (a saturated or steep "
+                f"model), or the solver's BatchNorm normalisation (solver.attack_bn resolved to {bn_mode!r}) is not "
+                "the one the model trains with. Fix: raise sigma (e.g. 0.05 or 0.1), check solver.attack_bn ('batch' "
+                "for a model without twin BatchNorms), and check input_range against the inputs."
+            )
 
 
 def log_grid(trainer: pl.Trainer, module: Any, augmenter: Augmenter, prefix: str, num_images: int,
@@ -146,7 +186,8 @@ def log_grid(trainer: pl.Trainer, module: Any, augmenter: Augmenter, prefix: str
         x_adv, _ = augmenter.solve(module, model, request.inputs, request.targets,
                                    torch.Generator(device=request.inputs.device).manual_seed(0), "eval",
                                    graphs=False)  # a one-off solve: a graph would hold memory for the fit
-    normalization = augmenter.input_range if isinstance(augmenter.input_range, Mapping) else None
+    input_range = augmenter.settings.input_range
+    normalization = input_range if isinstance(input_range, Mapping) else None
     grid = comparison_grid(request.inputs, x_adv, normalization)
     if trainer.is_global_zero:
         if hasattr(logger, "log_image"):

@@ -7,13 +7,15 @@ request's checks, the selection, the hard positives, the logs and the memory upd
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lpa3_lightning.callback.module_checks import (
     check_module,
@@ -22,19 +24,20 @@ from lpa3_lightning.callback.module_checks import (
     input_range_of,
 )
 from lpa3_lightning.callback.networks import NetworkView, module_networks
-from lpa3_lightning.callback.runner import NetworkRunner
+from lpa3_lightning.callback.runner import NetworkRunner, Prepared
 from lpa3_lightning.callback.settings import (
     CacheSettings,
     LoggingSettings,
+    RunSettings,
     RuntimeSettings,
     SelectionSettings,
     SolverSettings,
-    moved_setting,
     preset_groups,
+    unknown_argument,
 )
+from lpa3_lightning.core.arguments import check_int
 from lpa3_lightning.core.attack import check_solver_arguments
 from lpa3_lightning.core.augmented import AugmentedBatch
-from lpa3_lightning.core.distributed import all_equal
 from lpa3_lightning.core.dual_bn import anchor_twin_parameters
 from lpa3_lightning.core.input_box import InputRange
 from lpa3_lightning.core.model_outputs import unwrap_compiled
@@ -42,9 +45,8 @@ from lpa3_lightning.core.selection import check_ratio
 
 __all__ = ["LPA3Callback"]
 
-# 2 added the x' cache, the global RNG and the per-epoch update record; 3 the cache's labels; 4 dropped the
-# solver's generator state (its seed is derived per batch) and added the solver's settings
-_STATE_VERSION = 4
+#: The version of :meth:`LPA3Callback.state_dict`; a checkpoint of another is refused by name.
+STATE_VERSION = 5
 
 
 class LPA3Callback(Callback):
@@ -57,16 +59,24 @@ class LPA3Callback(Callback):
     ``training_step``. After the step it updates the TCS memory from the clean logits the module
     recorded; after each epoch it refreshes the threshold.
 
-    Logged (``<name>_step`` per step on each process, ``<name>_epoch`` per epoch over all
-    processes): ``lpa3/selected_fraction`` (the share of the batch given an ``x'``),
+    Logged (``<name>_step`` on each process, ``<name>_epoch`` per epoch over all processes), on
+    the steps ``logging.every_n_steps`` picks (the Trainer's ``log_every_n_steps`` by default) and
+    each epoch's first: ``lpa3/selected_fraction`` (the share of the batch given an ``x'``),
     ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (the share of the trained ``x'`` with
     ``log p(y|x') >= log p(y|x) - sigma`` in the forward that trained them),
     ``lpa3/label_preserved_eval`` (the same in the deployed model, a diagnostic),
     ``lpa3/projected`` (pulled back by the bisection), ``lpa3/solver_seconds`` (not on the
     sync-free path), ``lpa3/reused_fraction`` (with a cache), ``lpa3/tcs_selected_fraction``,
-    ``lpa3/skipped_fraction`` (selected but not solved: the request's ``train_mask``); per epoch
-    ``lpa3/threshold``, ``lpa3/nonfinite_inputs`` and ``lpa3/nonfinite_predictions``. A module
-    with several networks gets each under ``lpa3/<network>/``.
+    ``lpa3/skipped_fraction`` (selected but not solved: the request's ``train_mask``); a quantity
+    of the ``x'`` is NaN on a step without any. Per epoch ``lpa3/threshold``,
+    ``lpa3/nonfinite_inputs`` and ``lpa3/nonfinite_predictions``. A module with several networks
+    gets each under ``lpa3/<network>/``. Warned once: inputs or predictions with NaN or Inf (with
+    the dataset indices), an ``input_range`` that excludes the data, and (once an epoch) ``x'``
+    that barely move.
+
+    Under DDP each step makes one reduction, which carries every rank's failure and its module's
+    answer of :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented`: a rank
+    that fails stops every rank, and an answer that differs between ranks is refused on every rank.
 
     Args:
         ratio: fraction of samples given LP-A3 (tau), in (0, 1].
@@ -77,36 +87,45 @@ class LPA3Callback(Callback):
             (:meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented`: PES's semi
             phase, DivideMix after its warm-up, FixMatch after its LP-A3 loss warm-up): the
             callback solves only in those.
-        seed: seed of the solver's initial noise: each batch's noise comes from a generator
-            seeded by (seed, rank, epoch, batch index), so every rank draws its own and a
-            resumed run draws on each rank what an uninterrupted run draws there. None draws
-            from torch's global generator.
+        seed: seed of the solver's initial noise and of the first random selection: each
+            batch's noise comes from a generator seeded by (seed, rank, epoch, batch index), so
+            every rank draws its own and a resumed run draws on each rank what an uninterrupted
+            run draws there. None: a seed fixed at the first fit from ``torch.initial_seed()``
+            (the one ``seed_everything`` set) and kept in checkpoints. The callback never draws
+            from or restores torch's global random state.
         layers: feature layers (names or glob patterns of ``module.lpa3_model()``); None for the
             documented default.
         input_range: the valid input box for the solver's clamp: ``"auto"`` (the data module's
             ``normalization``, ``{"mean", "std"}`` of [0, 1] data, when it has one; else none),
             None (never clamp), ``(low, high)`` or ``{"mean": ..., "std": ...}``.
         preset: ``"package"`` (this package's defaults) or ``"authors"`` (the LP-A3 authors'
-            behaviour where a switch restores it: :data:`~lpa3_lightning.callback.settings.PRESETS`).
+            behaviour where a switch restores it: :data:`~lpa3_lightning.callback.settings.PRESETS`),
+            for the groups not given.
         solver: :class:`~lpa3_lightning.callback.settings.SolverSettings` (or a mapping of its
             fields): the multiplier, temperature, projection, step bound, BN mode, TF32.
         selection: :class:`~lpa3_lightning.callback.settings.SelectionSettings`: the memory's
-            size and the TCS rules.
+            size, layout and the TCS rules.
         cache: :class:`~lpa3_lightning.callback.settings.CacheSettings`: reusing ``x'`` for K epochs.
-        runtime: :class:`~lpa3_lightning.callback.settings.RuntimeSettings`: the sync-free path,
-            CUDA graphs, restoring the global random state.
-        logging: :class:`~lpa3_lightning.callback.settings.LoggingSettings`: image grids and the
-            eval-mode check.
+        runtime: :class:`~lpa3_lightning.callback.settings.RuntimeSettings`: the sync-free path and CUDA graphs.
+        logging: :class:`~lpa3_lightning.callback.settings.LoggingSettings`: how often the
+            diagnostics are measured, image grids, the eval-mode check.
+
+    A group given is used as given: its unnamed fields take their defaults, not the preset's.
 
     Raises:
-        ValueError: on a setting out of range, naming it and the fix; TypeError for a former
-            keyword argument (``regenerate_every_n_epochs=...``), naming its group.
+        ValueError: on a setting out of range, naming it and the fix; TypeError for an argument
+            the callback does not take, naming the group that holds a setting of that name or
+            the closest argument.
 
     Example::
 
         trainer = Trainer(callbacks=[LPA3Callback(ratio=0.5, sigma=0.02, cache={"regenerate_every_n_epochs": 10})])
         trainer.fit(LPA3Classifier(num_classes=2), datamodule=MedMNISTDataModule("breastmnist"))
+        callback.runner().tcs  # the TCS memory after the fit
     """
+
+    #: how the methods find the callbacks of a Trainer without importing this module
+    is_lpa3_callback = True
 
     def __init__(
         self,
@@ -123,16 +142,16 @@ class LPA3Callback(Callback):
         cache: CacheSettings | None = None,
         runtime: RuntimeSettings | None = None,
         logging: LoggingSettings | None = None,
-        **moved: Any,
+        **unknown: Any,
     ) -> None:
-        if moved:
-            raise TypeError(moved_setting(next(iter(moved))))
+        if unknown:
+            arguments = [p for p in inspect.signature(LPA3Callback.__init__).parameters if p not in ("self", "unknown")]
+            raise TypeError(unknown_argument(next(iter(unknown)), arguments))
         self.ratio = check_ratio(ratio)
         check_solver_arguments(sigma, steps, 1.0, 1.0)
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
-            raise ValueError(f"`warmup_epochs` must be an int >= 0, got {warmup_epochs!r}. Fix: use 0 (no warm-up).")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"`seed` must be None or an int, got {seed!r}.")
+        check_int(warmup_epochs, "warmup_epochs", 0, "use 0 (no warm-up).")
+        if seed is not None:
+            check_int(seed, "seed", 0, "use None or a non-negative int.")
         if layers is not None and not isinstance(layers, (str, Sequence)):
             raise ValueError(f"`layers` must be None, a name/pattern or a list of them, got {layers!r}.")
         if input_range not in ("auto", None) and not isinstance(input_range, (Mapping, Sequence)):
@@ -144,53 +163,40 @@ class LPA3Callback(Callback):
                                logging=logging)
         self.solver: SolverSettings = groups["solver"]
         self.selection: SelectionSettings = groups["selection"]
-        self.cache_settings: CacheSettings = groups["cache"]
+        self.cache: CacheSettings = groups["cache"]
         self.runtime: RuntimeSettings = groups["runtime"]
         self.logging: LoggingSettings = groups["logging"]
-        self._runners: dict[str | None, NetworkRunner] = {None: NetworkRunner(self)}
+        self._runners: dict[str | None, NetworkRunner] = {None: NetworkRunner()}
         self._views: dict[str | None, Any] = {}
-        self._network_states: dict[str, Any] | None = None  # loaded before setup knew the networks
-        self._rng_to_restore: dict[str, Any] | None = None
+        self._base_seed: int | None = seed  # fixed at the first fit when None, then kept in checkpoints
         self._warned_no_range = [False]
 
     # ------------------------------------------------------------------ what a user reads back
-    @property
-    def cache(self) -> Any:
-        """The ``x'`` cache of the module's only network (None without one; see :attr:`networks`)."""
-        return self._single().cache
+    def runner(self, network: str | None = None) -> NetworkRunner:
+        """The LP-A3 state of one network: ``.tcs`` (its TCS memory), ``.store`` (its ``x'`` cache),
+        ``.solver_graphs``, ``.last_grid``. ``network`` names one of a module's
+        ``lpa3_networks()``; None for a module with one network.
 
-    @property
-    def tcs(self) -> Any:
-        """The TCS memory of the module's only network (see :attr:`networks` for several)."""
-        return self._single().tcs
-
-    @property
-    def solver_graphs(self) -> Any:
-        """The CUDA graphs of the solver (``runtime.cuda_graphs``; None otherwise)."""
-        return self._single().solver_graphs
-
-    @property
-    def last_grid(self) -> Tensor | None:
-        """The last image grid drawn (``logging.images_every_n_epochs``)."""
-        return self._single().last_grid
+        Raises:
+            KeyError: naming the module's networks, for a name it does not declare (or None for a
+                module with several).
+        """
+        if network not in self._runners:
+            names = [name for name in self._runners if name is not None] or [None]
+            raise KeyError(f"LPA3Callback runs on the networks {names}, not {network!r}. Fix: "
+                           f"`callback.runner({names[0]!r})`.")
+        return self._runners[network]
 
     @property
     def networks(self) -> dict[str, NetworkRunner]:
-        """The runner of each named network (each with its ``tcs`` and ``cache``) of a module that
-        declares several; empty for a single network."""
+        """The runner of each named network of a module that declares several; empty for one."""
         return {name: runner for name, runner in self._runners.items() if name is not None}
-
-    def _single(self) -> NetworkRunner:
-        if None not in self._runners:
-            raise AttributeError(f"The module has several networks {list(self.networks)}: read them from "
-                                 "`callback.networks[name]`.")
-        return self._runners[None]
 
     @property
     def state_key(self) -> str:
-        # One fixed key: a resumed run with other settings (or a subclass) still finds its
-        # time-consistency memory; the memory does not depend on ratio or sigma.
-        return "LPA3Callback"
+        # Lightning's convention: two configured instances (or a subclass beside the base) keep
+        # their states apart in a checkpoint
+        return self._generate_state_key(ratio=self.ratio, sigma=self.sigma, steps=self.steps, layers=self.layers)
 
     def on_augmented(self, trainer: pl.Trainer, pl_module: pl.LightningModule, augmented: AugmentedBatch) -> None:
         """Called with each batch's hard positives as they are handed to the module (before
@@ -206,21 +212,10 @@ class LPA3Callback(Callback):
         if stage != "fit":
             return
         names = module_networks(pl_module)
-        if names is None:
-            if None not in self._runners:
-                self._runners = {None: NetworkRunner(self)}
-            self._views = {}
-        else:
-            if list(self._runners) != list(names):
-                if None in self._runners and self._runners[None].restored:
-                    raise ValueError(
-                        f"The checkpoint holds LPA3Callback state for one network, but {type(pl_module).__name__} "
-                        f"declares {list(names)}. Fix: resume with the module the checkpoint was written with."
-                    )
-                self._runners = {name: NetworkRunner(self, name, k) for k, name in enumerate(names)}
-            self._views = {name: NetworkView(pl_module, name) for name in names}
-        if self._network_states is not None:
-            self._load_runner_states(self._network_states)
+        declared: tuple[str | None, ...] = (None,) if names is None else names
+        if tuple(self._runners) != declared:
+            self._runners = {name: NetworkRunner(name, k) for k, name in enumerate(declared)}
+        self._views = {} if names is None else {name: NetworkView(pl_module, name) for name in names}
         for _, module in self._each(pl_module):
             check_module(module, self.layers, self.solver.attack_bn)
 
@@ -232,38 +227,85 @@ class LPA3Callback(Callback):
             # without x'), whatever the module's loss does: no "Expected to have finished reduction".
             anchor_twin_parameters(model, trainer.world_size > 1)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._rng_to_restore is not None and self.runtime.restore_rng and trainer.world_size == 1:
-            # Dropout, random transforms and un-seeded attacks continue the interrupted run's
-            # random stream, so a resumed run equals an uninterrupted one.
-            _set_global_rng_state(self._rng_to_restore)
-        self._rng_to_restore = None
+    def resolve(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RunSettings:
+        """The settings of a fit: this callback's, with the seed, the input box and the path decided
+        for the trainer and module (what every runner and stage receives).
+
+        Raises:
+            ValueError: ``runtime.cuda_graphs`` without the sync-free path, naming the fix.
+        """
+        if self._base_seed is None:
+            self._base_seed = torch.initial_seed() & (2**62 - 1)  # (no draw from the global generator)
         input_range = input_range_of(trainer, self.input_range, self._warned_no_range)
+        sync_free = pl_module.device.type != "cpu" if self.runtime.sync_free == "auto" else bool(self.runtime.sync_free)
+        if self.runtime.cuda_graphs and not sync_free:
+            raise ValueError("`runtime.cuda_graphs=True` needs the sync-free path, which sync_free='auto' runs on an "
+                             "accelerator only and this module is on the CPU. Fix: runtime.sync_free=True, or "
+                             "cuda_graphs=False.")
+        return RunSettings(
+            ratio=self.ratio, sigma=self.sigma, steps=self.steps, warmup_epochs=self.warmup_epochs,
+            seed=self._base_seed, layers=self.layers, input_range=input_range, sync_free=sync_free,
+            world_size=trainer.world_size, rank=trainer.global_rank, solver=self.solver, selection=self.selection,
+            cache=self.cache, runtime=self.runtime, logging=self.logging)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        settings = self.resolve(trainer, pl_module)
         for runner, module in self._each(pl_module):
             num_classes = getattr(module, "lpa3_num_classes", None)
-            if not isinstance(num_classes, int) or num_classes < 2:
+            if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
                 raise ValueError(
                     f"{type(pl_module).__name__}.lpa3_num_classes must be the number of classes (int >= 2), got "
                     f"{num_classes!r}. Fix: set `self.lpa3_num_classes = num_classes` in __init__."
                 )
             num_samples = infer_num_samples(trainer, module, self.selection.num_samples)
-            if not all_equal(num_samples) or not all_equal(num_classes):
+            if not _same_on_every_rank(trainer, pl_module, [num_samples, num_classes]):
                 raise ValueError(
                     "The processes disagree on the training-set size or the number of classes. Fix: give every rank "
                     "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank "
                     "shards."
                 )
-            runner.start(trainer, module, num_samples, num_classes, input_range)
+            runner.start(settings, trainer, module, num_samples, num_classes)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        for runner, module in self._each(pl_module):
-            runner.batch_start(trainer, module, batch, batch_idx)
+        each = self._each(pl_module)
+        prepared = [runner.prepare(trainer, module, batch, batch_idx, _consumes(module)) for runner, module in each]
+        self._agree(trainer, pl_module, prepared)
+        for (runner, module), ready in zip(each, prepared):
+            runner.hand_over(trainer, module, ready, self.on_augmented)
+
+    def _agree(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Prepared]) -> None:
+        """The step's one reduction: every rank's failure and every network's consumes answer.
+
+        Raises:
+            The rank's own error; RuntimeError when another rank failed; ValueError when the
+            ranks answered ``lpa3_consumes_augmented`` differently.
+        """
+        flags = [float(any(p.error is not None for p in prepared))]
+        for p in prepared:
+            flags += [float(p.consumes), float(not p.consumes)]
+        if trainer.world_size > 1:
+            flags = trainer.strategy.reduce(torch.tensor(flags, device=pl_module.device), reduce_op="max").tolist()
+        own = next((p.error for p in prepared if p.error is not None), None)
+        if own is not None:
+            raise own
+        if flags[0] > 0:
+            raise RuntimeError("LPA3Callback stopped because another process failed in this step; that process's log "
+                               "has the reason and the fix.")
+        for k, name in enumerate(self._runners):
+            if flags[1 + 2 * k] > 0 and flags[2 + 2 * k] > 0:
+                network = "" if name is None else f" (network {name!r})"
+                raise ValueError(
+                    f"{type(pl_module).__name__}.lpa3_consumes_augmented({trainer.current_epoch}){network} answered "
+                    "True on some processes and False on others. It decides whether the step solves x' (and joins "
+                    "the x' cache's exchange), so it must answer the same on every rank. Fix: decide from the epoch "
+                    "(or another value every rank shares), not from the rank or the batch."
+                )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         for runner, module in self._each(pl_module):
-            runner.batch_end(trainer, module)
+            runner.finish(trainer, module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for runner, module in self._each(pl_module):
@@ -289,49 +331,90 @@ class LPA3Callback(Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        if None in self._runners:  # one network: its state at the top level (the layout of every version)
-            return {"version": _STATE_VERSION, **self._runners[None].state_dict(), "global_rng": _global_rng_state()}
-        return {"version": _STATE_VERSION, "global_rng": _global_rng_state(),
-                "networks": {name: runner.state_dict() for name, runner in self._runners.items()}}
+        """The base seed and each network's state (its TCS memory, cache, first augmenting epoch).
+
+        Raises:
+            RuntimeError: for a memory split over several processes when called outside
+                Lightning's checkpointing (e.g. on rank 0 alone): assembling it is a collective
+                that the other ranks would never join.
+        """
+        split = [r for r in self._runners.values() if getattr(r.tcs, "num_shards", 1) > 1]
+        if split and not _called_by_lightning():
+            shards = split[0].tcs.num_shards  # type: ignore[union-attr]
+            raise RuntimeError(
+                f"LPA3Callback's TCS memory is split over {shards} processes (selection.memory_layout), so its "
+                "state_dict() assembles it from every process: a collective, which a call on one process alone "
+                "would leave waiting. Fix: let Lightning write it (trainer.save_checkpoint(path), on every rank; "
+                "ModelCheckpoint does so), or use selection.memory_layout='replicated'."
+            )
+        return {"version": STATE_VERSION, "seed": self._base_seed,
+                "networks": {"" if name is None else name: runner.state_dict(assemble=True)
+                             for name, runner in self._runners.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        networks = state_dict.get("networks")
-        # Applied in on_train_start, after the model was built (which draws random numbers); an
-        # older checkpoint of several networks kept it in each network's state.
-        self._rng_to_restore = state_dict.get("global_rng") or \
-            next((s.get("global_rng") for s in (networks or {}).values() if s.get("global_rng")), None)
-        if networks is None:
-            if None not in self._runners:
-                raise ValueError(
-                    f"The checkpoint holds LPA3Callback state for one network, but the module declares "
-                    f"{list(self._runners)}. Fix: resume with the module the checkpoint was written with."
-                )
-            self._runners[None].load_state_dict(state_dict)
-        elif None in self._runners:  # restored before setup saw the module: applied when the networks exist
-            self._network_states = dict(networks)
-        else:
-            self._load_runner_states(networks)
+        """Keep a checkpoint's state (applied when the fit starts, on the data set and module).
 
-    def _load_runner_states(self, states: Mapping[str, Any]) -> None:
-        if None in self._runners or set(states) != set(self._runners):
-            declared = "one network" if None in self._runners else f"the networks {list(self._runners)}"
+        Raises:
+            ValueError: for a state of another version, or of other networks than the module's.
+        """
+        version = state_dict.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"The checkpoint holds LPA3Callback state of version {version!r}; this lpa3-lightning "
+                             f"reads version {STATE_VERSION}. Fix: resume with the version that wrote it, or start a "
+                             "new run (drop `ckpt_path`).")
+        networks = {None if name == "" else name: state for name, state in state_dict["networks"].items()}
+        if set(networks) != set(self._runners):
+            def described(names: Any) -> str:
+                named = sorted(n for n in names if n is not None)
+                return f"the networks {named}" if named else "one network"
+
             raise ValueError(
-                f"The checkpoint holds LPA3Callback state for the networks {sorted(states)}, but the module declares "
-                f"{declared}. Fix: resume with the module the checkpoint was written with (its `lpa3_networks()`)."
+                f"The checkpoint holds LPA3Callback state for {described(networks)}, but the module declares "
+                f"{described(self._runners)}. Fix: resume with the module the checkpoint was written with (its "
+                "`lpa3_networks()`)."
             )
+        self._base_seed = state_dict["seed"] if self.seed is None else self.seed
         for name, runner in self._runners.items():
-            runner.load_state_dict(states[name])
-        self._network_states = None
+            runner.load_state_dict(networks[name])
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("callbacks", {})
+        others = [key for key, state in states.items() if key != self.state_key and _is_lpa3_state(state)]
+        if others and self.state_key not in states:
+            rank_zero_warn(
+                f"The checkpoint holds LP-A3 state under {others}, not under this callback's {self.state_key!r} "
+                "(its class, ratio, sigma, steps or layers differ): this callback starts with a fresh TCS memory. Fix: "
+                "resume with the callback class and settings the checkpoint was written with to continue its memory."
+            )
 
 
-def _global_rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def _is_lpa3_state(state: Any) -> bool:
+    """Whether a callback state in a checkpoint is an LPA3Callback's (of any class or settings)."""
+    return isinstance(state, dict) and "networks" in state and "seed" in state and "version" in state
 
 
-def _set_global_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def _consumes(module: Any) -> Any:
+    """The module's word on whether its loss trains ``x'`` in an epoch (a module without
+    :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented` always does)."""
+    consumes = getattr(module, "lpa3_consumes_augmented", None)
+    return consumes if callable(consumes) else (lambda epoch: True)
+
+
+def _same_on_every_rank(trainer: pl.Trainer, pl_module: pl.LightningModule, values: list[int]) -> bool:
+    """Whether every rank passed the same integers (one reduction at fit start)."""
+    if trainer.world_size <= 1:
+        return True
+    both = torch.tensor([float(v) for v in values] + [-float(v) for v in values], device=pl_module.device)
+    reduced = trainer.strategy.reduce(both, reduce_op="max").tolist()
+    n = len(values)
+    return all(reduced[k] == values[k] and -reduced[n + k] == values[k] for k in range(n))
+
+
+def _called_by_lightning() -> bool:
+    """Whether ``state_dict`` was called by Lightning's checkpointing (which calls it on every
+    rank), past the ``state_dict`` frames of this class and its subclasses."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name == "state_dict":
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_call_callbacks_state_dict" \
+        and frame.f_globals.get("__name__", "").startswith(("lightning.pytorch", "pytorch_lightning"))

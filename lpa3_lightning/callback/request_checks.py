@@ -1,4 +1,5 @@
-"""Stage 1 of a batch: the module's request, checked (and a refusal on one rank stops them all)."""
+"""Stage 1 of a batch: the module's request, checked (a refusal on one rank reaches every rank
+through the step's one reduction, in :mod:`lpa3_lightning.callback.lpa3_callback`)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,8 @@ from torch import Tensor
 
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices, count_out_of_range
-from lpa3_lightning.core.distributed import any_rank_failed
 
-__all__ = ["bad_value_counts", "check_request", "raise_bad_values", "raise_together"]
-
-
-def raise_together(error: Exception | None) -> None:
-    """Under DDP a rank that refuses its batch must not leave the others waiting in the next
-    collective: every rank learns of the failure (one all-reduce) and stops."""
-    if any_rank_failed(error is not None):
-        if error is not None:
-            raise error
-        raise RuntimeError("LPA3Callback stopped because another process refused its batch; that process's "
-                           "log has the reason and the fix.")
+__all__ = ["bad_value_counts", "check_request", "raise_bad_values"]
 
 
 def check_request(request: LPA3Request, num_classes: int, num_samples: int, values: bool = True) -> None:

@@ -2,37 +2,66 @@
 hand-over -> (training step) -> memory update; and its checkpoint state.
 
 A module with one network has one runner; a module that names several (DivideMix's two) has
-one per name, each with its own memory, selection, twin BatchNorms, solver noise and cache.
+one per name, each with its own memory, selection, twin BatchNorms, solver noise and cache. A
+runner receives the fit's :class:`~lpa3_lightning.callback.settings.RunSettings`; it never reads
+the callback.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lpa3_lightning.callback.augment_stage import Augmenter, NewRows
 from lpa3_lightning.callback.logging_stage import EPOCH_MEANS, EpochLog, log_grid
-from lpa3_lightning.callback.memory_stage import MemoryFeed
-from lpa3_lightning.callback.request_checks import bad_value_counts, check_request, raise_bad_values, raise_together
-from lpa3_lightning.callback.selection_stage import select
+from lpa3_lightning.callback.request_checks import bad_value_counts, check_request, raise_bad_values
+from lpa3_lightning.callback.selection_stage import Selection, select
+from lpa3_lightning.callback.settings import RunSettings
+from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
+from lpa3_lightning.core.batch_statistics import resolve_bn_mode
 from lpa3_lightning.core.cache import AugmentationCache
 from lpa3_lightning.core.distributed import gather_rows
-from lpa3_lightning.core.input_box import InputRange
+from lpa3_lightning.core.model_outputs import unwrap_compiled
 from lpa3_lightning.core.tcs import TimeConsistency
 from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
 
-__all__ = ["NetworkRunner"]
+__all__ = ["NetworkRunner", "Prepared"]
+
+
+@dataclass
+class Prepared:
+    """What a runner's local work left for the step's hand-over (after the one reduction).
+
+    Attributes:
+        consumes: whether this rank's module trains ``x'`` in this epoch (the ranks must agree).
+        error: the exception this rank's local work raised, if any.
+        request: the module's request.
+        selection: the rows selected (None when nothing was solved).
+        augmented: the hard positives handed to the module.
+        new_rows: with a cache, the rows solved now (for every rank's copy of the cache).
+    """
+
+    consumes: bool = False
+    error: Exception | None = None
+    request: LPA3Request | None = None
+    selection: Selection | None = None
+    augmented: AugmentedBatch | None = None
+    new_rows: NewRows | None = None
 
 
 class NetworkRunner:
     """The LP-A3 path of one network (``name`` None for a module's only network).
 
+    Read after a fit: :attr:`tcs` (the TCS memory), :attr:`store` (the ``x'`` cache store, with
+    ``cache.regenerate_every_n_epochs > 1``), :attr:`solver_graphs` and :attr:`last_grid`.
+
     Args:
-        callback: the :class:`~lpa3_lightning.LPA3Callback` whose settings it runs.
         name: the network's name, or None.
         position: the network's place in the module's ``lpa3_networks()``: offsets its noise
             seed and its first random selection, so that two networks draw independently.
@@ -40,267 +69,308 @@ class NetworkRunner:
 
     NETWORK_SEED_STRIDE = 7919  # seed offset between the networks of a module with several
 
-    def __init__(self, callback: Any, name: str | None = None, position: int = 0) -> None:
-        self.callback, self.name = callback, name
+    def __init__(self, name: str | None = None, position: int = 0) -> None:
+        self.name = name
         self.offset = self.NETWORK_SEED_STRIDE * position
         self.prefix = "lpa3/" if name is None else f"lpa3/{name}/"
         self.metric_prefix = "_lpa3_" if name is None else f"_lpa3_{name}_"
-        self.augmenter = Augmenter(callback, self.offset)
-        self.log = self._epoch_log()
+        self.settings: RunSettings | None = None
+        self.augmenter: Augmenter | None = None
+        self.log: EpochLog | None = None
         self.tcs: TimeConsistency | None = None
-        self.cache: AugmentationCache | None = None
-        self.feed: MemoryFeed | None = None
+        self.store: AugmentationCache | None = None
         self.last_grid: Tensor | None = None
-        self.sync_free = False
         self.augment_start: int | None = None  # the first epoch that augmented: the cache's windows start there
-        self._last_update_epoch = torch.zeros(0, dtype=torch.long)  # restored from a checkpoint until a fit starts
-        self._restored = False  # load_state_dict ran since the last fit started (a resume)
-        self._warned_grid = [False]
-
-    @property
-    def restored(self) -> bool:
-        """Whether a checkpoint's state was loaded since the last fit started."""
-        return self._restored
-
-    @property
-    def tcs_seed(self) -> int:
-        """The seed of the first random selection (offset per network, also without a seed)."""
-        seed = self.callback.seed
-        return seed + self.offset if seed is not None else self.offset
-
-    def _epoch_log(self) -> EpochLog:
-        cb = self.callback
-        names = tuple(n for n in EPOCH_MEANS if (n != "reused_fraction" or cb.cache_settings.regenerate_every_n_epochs > 1)
-                      and (n != "label_preserved_eval" or cb.logging.eval_preservation))
-        return EpochLog(self.prefix, self.metric_prefix, names)
+        self.pending_state: dict[str, Any] | None = None  # a checkpoint's state, applied when the fit starts
+        self._coverage_checked = False
+        self._measuring = False  # whether this batch's diagnostics are measured (decided at its start)
+        self._warned = {"grid": [False], "nonfinite_inputs": False, "nonfinite_predictions": False}
 
     @property
     def solver_graphs(self) -> Any:
-        return self.augmenter.graphs
+        """The CUDA graphs of the solver (``runtime.cuda_graphs``; None otherwise)."""
+        return None if self.augmenter is None else self.augmenter.graphs
+
+    def _settings(self) -> RunSettings:
+        if self.settings is None:
+            raise RuntimeError("LPA3Callback's runner has no fit settings: on_train_start did not run for it.")
+        return self.settings
+
+    # ------------------------------------------------------------------ the fit
+    def start(self, settings: RunSettings, trainer: pl.Trainer, module: Any, num_samples: int,
+              num_classes: int) -> None:
+        """Allocate (or adopt the restored, or keep the earlier fit's) memory and cache for a fit."""
+        self.settings, s = settings, settings
+        self.augmenter = Augmenter(settings, self.offset)
+        # sync-free: the memory lives beside the model, so selecting and updating read nothing back
+        device = module.device if s.sync_free else torch.device("cpu")
+        state, self.pending_state = self.pending_state, None
+        earlier, fresh = self.tcs, self._new_memory(num_samples, num_classes, device)
+        if state is not None:
+            fresh.load_state_dict(state["tcs"])  # refuses a data set of another size
+            self.augment_start = state["augment_start"]
+        else:
+            self.augment_start = None
+            if earlier is not None:  # a second fit with the same callback keeps the memory, from epoch 0 again
+                fresh = _kept(earlier, fresh)
+        self.tcs = fresh
+        names = tuple(n for n in EPOCH_MEANS if (n != "reused_fraction" or s.cache.regenerate_every_n_epochs > 1)
+                      and (n != "label_preserved_eval" or s.logging.eval_preservation)
+                      and (n != "solver_seconds" or not s.sync_free))  # (not timed: that would synchronise)
+        self.log = EpochLog(self.prefix, self.metric_prefix, names)
+        self.log.to(module.device)
+        c = s.cache
+        self.store = None
+        if c.regenerate_every_n_epochs > 1:
+            self.store = AugmentationCache(num_samples, c.regenerate_every_n_epochs, c.max_bytes,
+                                           c.dir or Path(trainer.default_root_dir) / "lpa3_cache",
+                                           device=module.device if c.on_device else "cpu")
+            if state is not None and state["cache"] is not None:
+                self.store.load_state_dict(state["cache"])
+
+    def _new_memory(self, num_samples: int, num_classes: int, device: torch.device) -> TimeConsistency:
+        s = self._settings()
+        sel = s.selection
+        kwargs = dict(divergence=sel.divergence, initial_memory=sel.initial_memory,
+                      initial_selection=sel.initial_selection, seed=s.seed + self.offset,
+                      threshold_rule=sel.threshold_rule, device=device, storage_dtype=sel.memory_dtype)
+        if sel.sharded(num_samples, num_classes, s.world_size):
+            return ShardedTimeConsistency(num_samples, num_classes, s.ratio, num_shards=s.world_size, shard=s.rank,
+                                          **kwargs)
+        return TimeConsistency(num_samples, num_classes, s.ratio, **kwargs)
 
     def memory(self) -> TimeConsistency:
-        if self.tcs is None:
+        if self.tcs is None or self.settings is None:
             raise RuntimeError("LPA3Callback's TCS memory is not allocated: on_train_start did not run for it.")
         return self.tcs
 
-    # ------------------------------------------------------------------ the fit
-    def start(self, trainer: pl.Trainer, module: Any, num_samples: int, num_classes: int, input_range: InputRange
-              ) -> None:
-        """Allocate (or adopt the restored) memory and cache for a fit on ``module``'s device."""
-        cb = self.callback
-        sync_free = cb.runtime.sync_free
-        self.sync_free = module.device.type != "cpu" if sync_free == "auto" else bool(sync_free)
-        if cb.runtime.cuda_graphs and not self.sync_free:
-            raise ValueError("`runtime.cuda_graphs=True` needs the sync-free path, which sync_free='auto' runs on an "
-                             "accelerator only and this module is on the CPU. Fix: runtime.sync_free=True, or "
-                             "cuda_graphs=False.")
-        self.augmenter.start_fit(trainer.global_rank, self.sync_free, cb.runtime.cuda_graphs, input_range)
-        # sync-free: the memory lives beside the model, so selecting and updating read nothing back
-        device = module.device if self.sync_free else torch.device("cpu")
-        fresh = self._new_memory(num_samples, num_classes, device, (trainer.world_size, trainer.global_rank))
-        if self.tcs is not None:  # restored from a checkpoint (or kept from an earlier fit)
-            fresh.adopt(self.tcs)  # refuses a data set of another size
-        self.tcs = fresh
-        if not self._restored:
-            self.augment_start = None
-        last = self.feed.last_update_epoch if self.feed is not None else self._last_update_epoch
-        if last.numel() != num_samples or not self._restored:
-            # A new fit counts epochs from 0 again: the record of the last one must not make it
-            # skip the updates of its first epochs. Only a resume continues the record.
-            last = torch.full((num_samples,), -1, dtype=torch.long)
-        self.feed = MemoryFeed(fresh, self.sync_free, last.to(device))
-        self.log = self._epoch_log()  # (the settings may have changed since an earlier fit)
-        if self.sync_free:
-            self.log.means.pop("solver_seconds", None)  # not timed: that would synchronise
-        self.log.to(module.device)
-        c = cb.cache_settings
-        if c.regenerate_every_n_epochs > 1:
-            cache = AugmentationCache(num_samples, c.regenerate_every_n_epochs, c.max_bytes,
-                                      c.dir or Path(trainer.default_root_dir) / "lpa3_cache",
-                                      device=module.device if c.on_device else "cpu")
-            if self.cache is not None and self._restored:  # an earlier fit's x' are not reused
-                cache.load_state_dict(self.cache.state_dict(include_inputs=True))
-            self.cache = cache
-        self._restored = False
-
     def teardown(self) -> None:
-        if self.cache is not None:
-            self.cache.close()
-            self.cache.offload()  # the GPU memory is free for what follows the fit
-        if self.augmenter.graphs is not None:
-            self.augmenter.graphs.reset()  # the graphs' memory pool too
-        self.augmenter.pending = None
+        if self.store is not None:
+            self.store.close()
+            self.store.offload()  # the GPU memory is free for what follows the fit
+        if self.solver_graphs is not None:
+            self.solver_graphs.reset()  # the graphs' memory pool too
+        if self.augmenter is not None:
+            self.augmenter.pending = None
 
     # ------------------------------------------------------------------ a batch
-    def batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-        """The hard positives of this batch, handed to the module before ``training_step``."""
-        cb, memory, epoch = self.callback, self.memory(), trainer.current_epoch
-        error: Exception | None = None
-        request = None
+    def prepare(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int, consumes: Any) -> Prepared:
+        """This rank's part of the batch, no collective: the request and its checks, whether the
+        module trains ``x'`` now, and, if so, the selection and the hard positives. Every exception
+        is kept for the step's one reduction (a rank must not leave the others in a collective)."""
+        s, memory, epoch = self._settings(), self.memory(), trainer.current_epoch
+        prepared = Prepared()
+        self._measuring = self._measured(trainer, batch_idx)
+        self.augmenter.pending = None  # type: ignore[union-attr]
+        self.augmenter.batch_key = (epoch, batch_idx)  # type: ignore[union-attr]
         try:
-            request = module.lpa3_request(batch)
+            module.lpa3_set_augmented(None)
+            request = prepared.request = module.lpa3_request(batch)
             # sync-free: the values are checked with the selection's one host read below
-            check_request(request, memory.num_classes, memory.num_samples, values=not self.sync_free)
-        except Exception as exc:  # any refusal reaches every rank before the next collective
-            error = exc
-        raise_together(error)
-        module.lpa3_set_augmented(None)
-        self.augmenter.pending = None
-        self.augmenter.batch_key = (epoch, batch_idx)
-        if epoch < cb.warmup_epochs or not _module_consumes(module, epoch):
-            if self.sync_free:  # nothing is selected, but the values are checked: the step's one read
-                try:
-                    counts = bad_value_counts(request, memory.num_samples, memory.num_classes, self.feed.bad_recorded)
+            check_request(request, memory.num_classes, memory.num_samples, values=not s.sync_free)
+            prepared.consumes = epoch >= s.warmup_epochs and bool(consumes(epoch))
+            if not prepared.consumes:
+                if s.sync_free:  # nothing is selected, but the values are checked: the step's host read
+                    counts = bad_value_counts(request, memory.num_samples, memory.num_classes, memory.refused_rows)
                     raise_bad_values(request, memory.num_samples, memory.num_classes, torch.stack(counts).tolist())
-                except Exception as exc:
-                    error = exc
-                raise_together(error)
+                return prepared
+            if self.augment_start is None:
+                self.augment_start = epoch
+            selection = prepared.selection = select(memory, request, epoch, s.sync_free, memory.refused_rows)
+            self._warn_nonfinite_inputs(request, selection)
+            prepared.augmented, prepared.new_rows = self.augmenter.augment(  # type: ignore[union-attr]
+                module, request, selection, self.store, epoch, self._solver_runs(epoch), self._measuring)
+        except Exception as exc:  # reaches every rank through the step's one reduction
+            prepared.error = exc
+        return prepared
+
+    def hand_over(self, trainer: pl.Trainer, module: Any, prepared: Prepared, on_augmented: Any) -> None:
+        """After the step's reduction (every rank agreed): the cache's exchange, the hand-over and the logs."""
+        if not prepared.consumes:
             return
-        if self.augment_start is None:
-            self.augment_start = epoch
-        augmented, new_rows, selection = None, None, None
-        try:  # the local work: a failure on one rank must reach the others before the cache's gather
-            selection = select(memory, request, epoch, self.sync_free, self.feed.bad_recorded)
-            augmented, new_rows = self.augmenter.augment(module, request, selection, self.cache, epoch,
-                                                         self._solver_runs(epoch))
-        except Exception as exc:
-            error = exc
-        raise_together(error)
-        if self.cache is not None:  # collective under DDP: every rank stores every rank's new x'
-            self.cache.put(*_gathered(new_rows, request), epoch=epoch)
+        request, augmented = prepared.request, prepared.augmented
+        if self.store is not None:  # collective under DDP: every rank stores every rank's new x'
+            new_rows = prepared.new_rows
+            if new_rows is None:
+                new_rows = (request.indices[:0], request.inputs[:0].detach(), request.targets[:0])  # type: ignore
+            self.store.put(*gather_rows(*new_rows), epoch=trainer.current_epoch)
         module.lpa3_set_augmented(augmented)
-        cb.on_augmented(trainer, module, augmented)
-        self.log.batch(module, request.inputs.shape[0], augmented, selection.tcs_selected, selection.nonfinite,
-                       self.augmenter)
+        on_augmented(trainer, module, augmented)
+        log = self.log
+        log.count_moves(augmented)  # type: ignore[union-attr,arg-type]
+        log.nonfinite_inputs += prepared.selection.nonfinite  # type: ignore[union-attr]
+        if self._measuring:
+            log.batch(module, request.inputs.shape[0], augmented, prepared.selection.tcs_selected,  # type: ignore
+                      self.augmenter)
+
+    def _warn_nonfinite_inputs(self, request: LPA3Request, selection: Selection) -> None:
+        if selection.nonfinite and not self._warned["nonfinite_inputs"]:
+            self._warned["nonfinite_inputs"] = True
+            bad = request.indices[~selection.finite.to(request.indices.device)][:10].tolist()  # (only when counted)
+            rank_zero_warn(
+                f"LPA3Callback: {selection.nonfinite} training inputs hold NaN or Inf (dataset indices {bad}"
+                f"{', ...' if selection.nonfinite > len(bad) else ''}). They get no x' and their predictions stay out "
+                "of the TCS memory, but a loss that trains on them turns the weights to NaN. Fix: clean or drop those "
+                "samples in the dataset (this warning is given once a fit; lpa3/nonfinite_inputs counts them)."
+            )
+
+    def _measured(self, trainer: pl.Trainer, batch_idx: int) -> bool:
+        """Whether a batch's diagnostics are measured: on the steps ``logging.every_n_steps`` picks
+        (by default the Trainer's ``log_every_n_steps``: the steps Lightning writes to its logger,
+        so a written step value is always this step's), and on every epoch's first batch (so each
+        epoch has its means)."""
+        every = self._settings().logging.every_n_steps or max(1, int(trainer.log_every_n_steps))
+        return (trainer.global_step + 1) % every == 0 or batch_idx == 0
 
     def _solver_runs(self, epoch: int) -> bool:
         """Whether the solver runs this epoch for rows without a fresh cached ``x'``."""
-        return self.cache is None or self.callback.cache_settings.attack_new_selections or self.regeneration_epoch(epoch)
+        return self.store is None or self._settings().cache.attack_new_selections or self.regeneration_epoch(epoch)
 
     def regeneration_epoch(self, epoch: int) -> bool:
         """Every K epochs from the first epoch that augments (the callback's warm-up, or the
         module's, ``lpa3_consumes_augmented``); also when nothing from earlier epochs is left to
         reuse (a file cache restarts empty on resume; K or the warm-up changed)."""
-        start = self.callback.warmup_epochs if self.augment_start is None else self.augment_start
-        if (epoch - start) % self.callback.cache_settings.regenerate_every_n_epochs == 0:
+        s = self._settings()
+        start = s.warmup_epochs if self.augment_start is None else self.augment_start
+        if (epoch - start) % s.cache.regenerate_every_n_epochs == 0:
             return True
-        return self.cache is not None and not self.cache.reusable_from_before(epoch)
+        return self.store is not None and not self.store.reusable_from_before(epoch)
 
-    def batch_end(self, trainer: pl.Trainer, module: Any) -> None:
-        """Log how the trained ``x'`` kept their label, then feed this step's predictions to the memory."""
-        cb, memory = self.callback, self.memory()
+    def finish(self, trainer: pl.Trainer, module: Any) -> None:
+        """After ``training_step``: log how the trained ``x'`` kept their label, then apply every
+        process's predictions of this step to the memory (a collective under DDP; a rank whose
+        module recorded nothing usable withdraws from it, and every rank stops)."""
+        s, memory = self._settings(), self.memory()
         predictions = module.lpa3_pop_predictions()
         pending = getattr(module, "lpa3_augmented_pending", None)
         untaken = bool(pending()) if callable(pending) else False  # the module chose not to train on x'
         module.lpa3_set_augmented(None)
-        if trainer.current_epoch >= cb.warmup_epochs:
-            self.log.trained_preservation(module, self.augmenter.pending, cb.sigma, cb.solver.temperature, untaken)
-        self.augmenter.pending = None
-        error: Exception | None = None
-        if predictions is None:
-            error = RuntimeError(
-                f"{type(module).__name__}.training_step did not record its predictions. Fix: call "
-                "`self.lpa3_record_predictions(indices, logits)` with the clean logits (the TCS memory needs them)."
-            )
-        elif predictions[1].dim() != 2 or predictions[1].shape[1] != memory.num_classes:
-            error = ValueError(
-                f"The recorded logits have shape {tuple(predictions[1].shape)} but lpa3_num_classes is "
-                f"{memory.num_classes}. Fix: set `self.lpa3_num_classes` to the width of the model's logits."
-            )
-        elif predictions[0].dim() != 1 or predictions[0].shape[0] != predictions[1].shape[0]:
-            error = ValueError(
-                f"The recorded indices have shape {tuple(predictions[0].shape)} for {predictions[1].shape[0]} rows of "
-                "logits. Fix: pass `self.lpa3_record_predictions(indices, logits)` one dataset index per logits row."
-            )
-        raise_together(error)
+        if trainer.current_epoch >= s.warmup_epochs and self._measuring:
+            self.log.trained_preservation(module, self.augmenter.pending, s.sigma,  # type: ignore[union-attr]
+                                          s.solver.temperature, untaken)
+        self.augmenter.pending = None  # type: ignore[union-attr]
+        error = _recorded_error(module, predictions, memory.num_classes)
+        if error is not None:
+            memory.update(torch.zeros(0, dtype=torch.long), torch.zeros(0, memory.num_classes), abort=True)
+            raise error
         indices, logits, targets = predictions  # type: ignore[misc]
-        self.feed.feed(indices, logits, targets, cb.solver.temperature, trainer.current_epoch)  # type: ignore[union-attr]
+        probs = torch.softmax(logits.float() / s.solver.temperature, dim=1)
+        memory.update(indices, probs, targets, epoch=trainer.current_epoch, check_values=not s.sync_free)
 
     def epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
         """Refresh the selection threshold; log the epoch's counts (and the grid when due)."""
-        memory, feed = self.memory(), self.feed
-        if self.sync_free and int(feed.bad_recorded):  # the last steps' recorded indices (once an epoch)
-            raise_bad_values(None, memory.num_samples, memory.num_classes, (0, 0, int(feed.bad_recorded)))
-        feed.check_coverage()
+        s, memory = self._settings(), self.memory()
+        refused, nonfinite = (int(v) for v in torch.stack([memory.refused_rows, memory.nonfinite_rows]).tolist())
+        memory.refused_rows.zero_()
+        memory.nonfinite_rows.zero_()
+        if refused:  # (the sync-free path's recorded indices: refused once an epoch)
+            raise_bad_values(None, memory.num_samples, memory.num_classes, (0, 0, refused))
+        if nonfinite and not self._warned["nonfinite_predictions"]:
+            self._warned["nonfinite_predictions"] = True
+            rank_zero_warn(
+                f"LPA3Callback: {nonfinite} recorded predictions this epoch were NaN or Inf: they stay out of the TCS "
+                "memory, but the model that made them may have diverged (NaN weights or inputs). Fix: check the loss "
+                "and the inputs (lpa3/nonfinite_inputs), lower the learning rate (this warning is given once a fit)."
+            )
+        self._check_coverage()
         memory.refresh_threshold()
-        every = self.callback.logging.images_every_n_epochs
+        every = s.logging.images_every_n_epochs
         if every and trainer.current_epoch % every == 0:
-            grid = log_grid(trainer, module, self.augmenter, self.prefix, self.callback.logging.num_images,
-                            self._warned_grid)
+            grid = log_grid(trainer, module, self.augmenter, self.prefix, s.logging.num_images,  # type: ignore[arg-type]
+                            self._warned["grid"])
             self.last_grid = grid if grid is not None else self.last_grid
-        self.log.epoch_end(module, feed.nonfinite, float(memory.threshold) if memory.has_threshold else None)
-        feed.nonfinite = 0
+        model = unwrap_compiled(module.lpa3_model())
+        self.log.epoch_end(module, nonfinite, float(memory.threshold) if memory.has_threshold else None,  # type: ignore
+                           s.sigma, resolve_bn_mode(model, s.solver.attack_bn))
+
+    def _check_coverage(self) -> None:
+        """Once the memory was fed three times its size in rows, warn once when it saw far fewer
+        distinct indices than it has rows (``num_samples`` / ``lpa3_num_samples`` larger than the
+        set the indices come from): the rows never seen keep their first score. (Three times:
+        drawn with replacement, a set of N rows shows 95% of its indices by then.)"""
+        memory = self.memory()
+        total = memory.num_samples
+        if self._coverage_checked or memory.rows_recorded < 3 * total:
+            return
+        self._coverage_checked = True
+        seen = int(memory.seen.sum())  # one host read, once a fit
+        if seen < 0.8 * total:
+            rank_zero_warn(
+                f"LPA3Callback's TCS memory has {total} rows, but {memory.rows_recorded} recorded predictions named "
+                f"only {seen} distinct dataset indices: the rows never seen keep their first score. Fix: set "
+                "`selection.num_samples` (or the module's `lpa3_num_samples`) to the size of the set the recorded "
+                "indices come from."
+            )
 
     # ------------------------------------------------------------------ checkpoint state
-    def state_dict(self) -> dict[str, Any]:
-        cb = self.callback
-        last = self.feed.last_update_epoch if self.feed is not None else self._last_update_epoch
-        return {"tcs": None if self.tcs is None else self.tcs.state_dict(),
-                "augmentation_cache": None if self.cache is None else
-                self.cache.state_dict(include_inputs=cb.cache_settings.in_checkpoint),
-                "last_update_epoch": last.cpu().clone(), "augment_start": self.augment_start,
-                "settings": self.solver_settings()}
+    def state_dict(self, assemble: bool) -> dict[str, Any]:
+        """The memory (its whole stored predictions, assembled over the processes when split and
+        ``assemble``: a collective), the cache, the first augmenting epoch and the solver's settings."""
+        if self.tcs is None:
+            tcs_state = None if self.pending_state is None else self.pending_state["tcs"]
+        elif isinstance(self.tcs, ShardedTimeConsistency) and not assemble:
+            tcs_state = self.tcs.local_state_dict()
+        else:
+            tcs_state = self.tcs.state_dict()
+        include = self.settings is not None and self.settings.cache.in_checkpoint
+        return {"tcs": tcs_state, "cache": None if self.store is None else self.store.state_dict(include_inputs=include),
+                "augment_start": self.augment_start, "settings": self.solver_settings()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt a checkpoint's state (applied to the data set and module at the next fit's start).
+        """Keep a checkpoint's state; it is applied to the data set and module when the fit starts."""
+        self.pending_state = {"tcs": state["tcs"], "cache": state["cache"], "augment_start": state["augment_start"]}
 
-        (A ``generator_state`` of a version-3 checkpoint is not needed: the noise seed is derived
-        per batch.)
-        """
-        cb = self.callback
-        self._restored = True
-        tcs_state = state.get("tcs")
-        if tcs_state is not None:
-            # Rebuilt from the checkpoint alone, so the state is there before training starts;
-            # the fit's start checks it against the current data set and module.
-            # (the whole memory, whatever layout wrote it, sharing the checkpoint's memory tensor, which
-            # Lightning discards after restoring: the fit's start keeps this process's rows if sharded)
-            self.tcs = self._new_memory(int(tcs_state["num_samples"]), int(tcs_state["num_classes"]),
-                                        torch.device("meta"), None)  # (meta: allocates nothing before the load)
-            self.tcs._load(tcs_state, copy=False)
-        self.feed = None
-        self._last_update_epoch = state.get("last_update_epoch", torch.zeros(0, dtype=torch.long)).clone()
-        self.augment_start = state.get("augment_start")
-        cache_state = state.get("augmentation_cache")  # absent in checkpoints of older versions
-        if cache_state is not None and cb.cache_settings.regenerate_every_n_epochs > 1:
-            self.cache = AugmentationCache(int(cache_state["num_samples"]), cb.cache_settings.regenerate_every_n_epochs,
-                                           cb.cache_settings.max_bytes)
-            self.cache.load_state_dict(cache_state)
-
-    def _new_memory(self, num_samples: int, num_classes: int, device: torch.device,
-                    processes: tuple[int, int] | None) -> TimeConsistency:
-        """An empty memory with the selection settings: split over the ``(world size, rank)`` processes
-        when the layout says so (``processes`` None: a whole one)."""
-        world_size, rank = processes or (1, 0)
-        cb, s = self.callback, self.callback.selection
-        kwargs = dict(divergence=s.divergence, initial_memory=s.initial_memory, initial_selection=s.initial_selection,
-                      seed=self.tcs_seed, threshold_rule=s.threshold_rule, device=device, storage_dtype=s.memory_dtype)
-        if processes is not None and (s.memory_layout == "sharded" or (s.memory_layout == "auto" and world_size > 1)):
-            return ShardedTimeConsistency(num_samples, num_classes, cb.ratio, num_shards=world_size, shard=rank,
-                                          **kwargs)
-        return TimeConsistency(num_samples, num_classes, cb.ratio, **kwargs)
-
-    def solver_settings(self) -> dict[str, Any]:
+    def solver_settings(self) -> dict[str, Any] | None:
         """The settings the solver ran with, as plain values (saved in checkpoints, so that
         ``lpa3 show`` draws the ``x'`` that training made)."""
-        cb, s = self.callback, self.callback.solver
-        layers = self.augmenter.layer_names if self.augmenter.layer_names is not None else cb.layers
-        return {"sigma": cb.sigma, "steps": cb.steps, "lam": s.lam, "temperature": s.temperature,
-                "max_step": s.max_step, "attack_bn": s.attack_bn, "project": s.project, "fast": s.fast,
-                "allow_tf32": s.allow_tf32,
+        if self.settings is None:
+            return None
+        s, solver = self.settings, self.settings.solver
+        layers = self.augmenter.layer_names if self.augmenter is not None and self.augmenter.layer_names else s.layers
+        return {"sigma": s.sigma, "steps": s.steps, "lam": solver.lam, "temperature": solver.temperature,
+                "max_step": solver.max_step, "attack_bn": solver.attack_bn, "project": solver.project,
+                "fast": solver.fast, "allow_tf32": solver.allow_tf32,
                 "layers": None if layers is None else ([layers] if isinstance(layers, str) else list(layers))}
 
 
-def _module_consumes(module: Any, epoch: int) -> bool:
-    """The module's word on whether its loss trains ``x'`` in ``epoch`` (a module without
-    :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented` always does)."""
-    consumes = getattr(module, "lpa3_consumes_augmented", None)
-    return True if not callable(consumes) else bool(consumes(epoch))
+def _kept(earlier: TimeConsistency, fresh: TimeConsistency) -> TimeConsistency:
+    """An earlier fit's memory carried into a new fit (which counts its epochs from 0 again).
+
+    Raises:
+        ValueError: when the layout or the world size changed under a split memory.
+    """
+    if isinstance(earlier, ShardedTimeConsistency) or isinstance(fresh, ShardedTimeConsistency):
+        if type(earlier) is not type(fresh) or earlier.num_samples != fresh.num_samples \
+                or getattr(earlier, "num_shards", 1) != getattr(fresh, "num_shards", 1):
+            raise ValueError(
+                "An earlier fit left this callback a TCS memory laid out another way (selection.memory_layout or the "
+                "world size changed). Fix: save a checkpoint and resume from it (a checkpoint holds the whole memory "
+                "and loads into any layout and world size), or keep the layout and the world size."
+            )
+        kept = earlier
+    else:
+        fresh.load_state_dict(earlier.state_dict())
+        kept = fresh
+    kept.last_update_epoch.fill_(-1)
+    return kept
 
 
-def _gathered(new_rows: NewRows | None, request: Any) -> NewRows:
-    """Every rank's freshly solved (indices, x', labels); a rank without any sends empty rows."""
-    if new_rows is None:
-        new_rows = (request.indices[:0], request.inputs[:0].detach(), request.targets[:0])
-    idx, x_new, labels = gather_rows(*new_rows)
-    return idx, x_new, labels
+def _recorded_error(module: Any, predictions: Any, num_classes: int) -> Exception | None:
+    """What is wrong with the predictions ``training_step`` recorded, or None."""
+    if predictions is None:
+        return RuntimeError(
+            f"{type(module).__name__}.training_step did not record its predictions. Fix: call "
+            "`self.lpa3_record_predictions(indices, logits)` with the clean logits (the TCS memory needs them)."
+        )
+    indices, logits, _ = predictions
+    if logits.dim() != 2 or logits.shape[1] != num_classes:
+        return ValueError(
+            f"The recorded logits have shape {tuple(logits.shape)} but lpa3_num_classes is {num_classes}. Fix: set "
+            "`self.lpa3_num_classes` to the width of the model's logits."
+        )
+    if indices.dim() != 1 or indices.shape[0] != logits.shape[0]:
+        return ValueError(
+            f"The recorded indices have shape {tuple(indices.shape)} for {logits.shape[0]} rows of logits. Fix: pass "
+            "`self.lpa3_record_predictions(indices, logits)` one dataset index per logits row."
+        )
+    return None

@@ -25,6 +25,7 @@ class Selection:
         num_trained: how many of the ``count`` the request's ``train_mask`` keeps (``count``
             without a mask): only these are solved.
         nonfinite: rows with a NaN or Inf input (never attacked; logged).
+        finite: ``(B,)`` which rows' inputs are finite.
     """
 
     mask: Tensor
@@ -32,6 +33,7 @@ class Selection:
     tcs_selected: int
     num_trained: int
     nonfinite: int
+    finite: Tensor
 
 
 def select(memory: TimeConsistency, request: LPA3Request, epoch: int, sync_free: bool,
@@ -61,4 +63,4 @@ def select(memory: TimeConsistency, request: LPA3Request, epoch: int, sync_free:
         # batch statistics (twin BN in train mode) need two samples: a lone selection is dropped
         # for this batch rather than crashing BatchNorm1d models
         mask, count, num_trained = torch.zeros_like(mask), 0, 0
-    return Selection(mask, int(count), int(tcs_selected), int(num_trained), int(nonfinite))
+    return Selection(mask, int(count), int(tcs_selected), int(num_trained), int(nonfinite), finite)

@@ -13,35 +13,28 @@ a group from nested YAML keys::
         cache:
           regenerate_every_n_epochs: 10
 
-``preset="authors"`` gives the LP-A3 authors' behaviour in every group at once (the switches of
-``docs/method.md`` section 7); a group given explicitly replaces its preset.
+``preset="authors"`` gives the LP-A3 authors' behaviour in the groups it covers (the switches of
+``docs/method.md`` section 7). A group given explicitly is used as given, field by field: its
+unnamed fields take their documented defaults, never the preset's, so the settings that run are
+the ones written (and the config LightningCLI saves rebuilds them).
 """
 
 from __future__ import annotations
 
-import math
+import difflib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number
 from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
 from lpa3_lightning.core.input_box import MaxStep, check_max_step
 from lpa3_lightning.core.selection import check_initial_selection, check_threshold_rule
-from lpa3_lightning.core.tcs import STORAGE_DTYPES
+from lpa3_lightning.core.tcs import check_divergence, check_initial_memory, storage_dtype_of
 
 __all__ = ["CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
-           "moved_setting", "preset_groups"]
-
-
-def _check_bool(group: str, name: str, value: Any, fix: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{group}.{name}` must be True or False, got {value!r}. Fix: {fix}")
-
-
-def _check_int(group: str, name: str, value: Any, low: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{group}.{name}` must be an int >= {low}, got {value!r}. Fix: {fix}")
+           "RunSettings", "SHARD_ABOVE_BYTES", "preset_groups", "unknown_argument"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +49,11 @@ class SolverSettings:
         max_step: largest L2 length of one solver step: ``"auto"`` (2% of the input box's
             diagonal), None (the authors' unbounded step) or a number.
         fast: the cheaper solver (one finite-difference forward; the farthest feasible iterate).
-        attack_bn: ``"auto"`` (through the twin BatchNorms when the model has them, else eval
-            mode), ``"twin"`` or ``"eval"``.
+        attack_bn: how BatchNorm normalises in the solver and in the training forward of ``x'``:
+            ``"auto"`` (``"twin"`` when the model has twins, else ``"batch"`` when it has
+            BatchNorm, else ``"eval"``), ``"twin"`` (the twins, on the clean selected rows'
+            batch statistics), ``"batch"`` (the model's own BatchNorms on those statistics,
+            running buffers untouched) or ``"eval"`` (the running statistics).
         allow_tf32: let the solver use TF32 on CUDA (off: full float32).
     """
 
@@ -66,25 +62,22 @@ class SolverSettings:
     project: bool = True
     max_step: MaxStep = "auto"
     fast: bool = False
-    attack_bn: Literal["auto", "eval", "twin"] = "auto"
+    attack_bn: Literal["auto", "twin", "batch", "eval"] = "auto"
     allow_tf32: bool = False
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.lam, (int, float)) and not isinstance(self.lam, bool) and math.isfinite(self.lam)
-                and self.lam >= 0):
-            raise ValueError(f"`solver.lam` must be a finite float >= 0, got {self.lam!r}. Fix: use 1.0 (the authors').")
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and self.temperature > 0):
-            raise ValueError(f"`solver.temperature` must be > 0, got {self.temperature!r}. Fix: use 1.0.")
-        try:
-            check_max_step(self.max_step)
-        except ValueError as exc:
-            raise ValueError(f"`solver.{str(exc)[1:]}") from None
-        if self.attack_bn not in ("auto", "eval", "twin"):
-            raise ValueError(f"`solver.attack_bn` must be 'auto', 'eval' or 'twin', got {self.attack_bn!r}. "
-                             "Fix: use 'auto'.")
+        check_number(self.lam, "solver.lam", "use 1.0 (the authors').")
+        check_number(self.temperature, "solver.temperature", "use 1.0.", positive=True)
+        check_max_step(self.max_step, "solver.max_step")
+        check_choice(self.attack_bn, ("auto", "twin", "batch", "eval"), "solver.attack_bn", "use 'auto'.")
         for name in ("project", "fast", "allow_tf32"):
-            _check_bool("solver", name, getattr(self, name), "use the default.")
+            check_flag(getattr(self, name), f"solver.{name}", "use the default.")
+
+
+#: ``memory_layout="auto"`` splits the stored predictions over the processes only above this many bytes
+#: (``num_samples x num_classes`` in the storage dtype): below it every process keeps them all, so
+#: ``callback.runner().tcs.memory`` is the whole memory and a state dict is no collective.
+SHARD_ABOVE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -96,14 +89,18 @@ class SelectionSettings:
             module's ``lpa3_num_samples`` or the train dataloader's dataset.
         divergence: the TCS divergence, ``"code"`` (the authors' code) or ``"paper"``.
         initial_memory: ``"uniform"`` (a distribution) or ``"authors"`` (1.01 for every class).
-        initial_selection: before the first threshold, ``"random"`` (a seeded ``ratio`` share) or
+        initial_selection: before a sample has a score (the first pass, or a sample an epoch of
+            ``limit_train_batches`` never reached), ``"random"`` (a seeded ``ratio`` share) or
             ``"all"`` (the authors').
         threshold_rule: ``"count"`` (exactly ``round(ratio * N)``) or ``"authors"`` (one fewer).
         memory_layout: where the stored predictions live under data parallelism: ``"auto"``
-            (sharded with more than one process), ``"sharded"`` (each process keeps ``1/world_size``
-            of them, :class:`~lpa3_lightning.core.tcs_shards.ShardedTimeConsistency`) or
-            ``"replicated"`` (every process keeps all). The selections are the same either way
-            (bit for bit on the CPU; on a GPU a score can differ in its last bit).
+            (split over the processes when there are several and the predictions take more than
+            :data:`SHARD_ABOVE_BYTES`, 256 MiB; else on every process), ``"sharded"`` (each process
+            keeps ``1/world_size`` of them,
+            :class:`~lpa3_lightning.core.tcs_shards.ShardedTimeConsistency`) or ``"replicated"``
+            (every process keeps all). The selections are the same either way (bit for bit on
+            the CPU; on a GPU a score can differ in its last bit). A split memory is assembled
+            in Lightning's checkpoints, not by a ``state_dict()`` call on one process.
         memory_dtype: ``"float32"``, or ``"bfloat16"`` / ``"float16"`` to halve the stored
             predictions (the selections can then differ slightly: docs/multinode.md measures it).
     """
@@ -117,23 +114,22 @@ class SelectionSettings:
     memory_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def __post_init__(self) -> None:
-        if self.memory_layout not in ("auto", "sharded", "replicated"):
-            raise ValueError(f"`selection.memory_layout` must be 'auto', 'sharded' or 'replicated', got "
-                             f"{self.memory_layout!r}. Fix: use 'auto'.")
-        if self.memory_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"`selection.memory_dtype` must be one of {sorted(STORAGE_DTYPES)}, got "
-                             f"{self.memory_dtype!r}. Fix: use 'float32' (or 'bfloat16' to halve the memory).")
         if self.num_samples is not None:
-            _check_int("selection", "num_samples", self.num_samples, 1,
-                       "use None to infer it from the module or the train dataloader's dataset.")
-        if self.divergence not in ("code", "paper"):
-            raise ValueError(f"`selection.divergence` must be 'code' or 'paper', got {self.divergence!r}. "
-                             "Fix: use 'code'.")
-        if self.initial_memory not in ("uniform", "authors"):
-            raise ValueError(f"`selection.initial_memory` must be 'uniform' or 'authors', got "
-                             f"{self.initial_memory!r}. Fix: use 'uniform'.")
-        check_initial_selection(self.initial_selection)
-        check_threshold_rule(self.threshold_rule)
+            check_int(self.num_samples, "selection.num_samples", 1,
+                      "use None to infer it from the module or the train dataloader's dataset.")
+        check_divergence(self.divergence, "selection.divergence")
+        check_initial_memory(self.initial_memory, "selection.initial_memory")
+        check_initial_selection(self.initial_selection, "selection.initial_selection")
+        check_threshold_rule(self.threshold_rule, "selection.threshold_rule")
+        check_choice(self.memory_layout, ("auto", "sharded", "replicated"), "selection.memory_layout", "use 'auto'.")
+        storage_dtype_of(self.memory_dtype, "selection.memory_dtype")
+
+    def sharded(self, num_samples: int, num_classes: int, world_size: int) -> bool:
+        """Whether a memory of ``num_samples x num_classes`` is split over ``world_size`` processes."""
+        if self.memory_layout != "auto":
+            return self.memory_layout == "sharded"
+        size = num_samples * num_classes * storage_dtype_of(self.memory_dtype).itemsize
+        return world_size > 1 and size > SHARD_ABOVE_BYTES
 
 
 @dataclass(frozen=True)
@@ -159,15 +155,15 @@ class CacheSettings:
     in_checkpoint: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("cache", "regenerate_every_n_epochs", self.regenerate_every_n_epochs, 1,
-                   "use 1 (no reuse) or e.g. 10 (the paper's appendix).")
-        _check_int("cache", "max_bytes", self.max_bytes, 0, "use e.g. 2**30 (1 GiB).")
+        check_int(self.regenerate_every_n_epochs, "cache.regenerate_every_n_epochs", 1,
+                  "use 1 (no reuse) or e.g. 10 (the paper's appendix).")
+        check_int(self.max_bytes, "cache.max_bytes", 0, "use e.g. 2**30 (1 GiB).")
         if isinstance(self.dir, os.PathLike):
             object.__setattr__(self, "dir", os.fspath(self.dir))  # a Path is kept as its string
         if self.dir is not None and not isinstance(self.dir, str):
             raise ValueError(f"`cache.dir` must be a folder path or None, got {self.dir!r}.")
         for name in ("attack_new_selections", "on_device", "in_checkpoint"):
-            _check_bool("cache", name, getattr(self, name), "use the default.")
+            check_flag(getattr(self, name), f"cache.{name}", "use the default.")
 
 
 @dataclass(frozen=True)
@@ -179,20 +175,15 @@ class RuntimeSettings:
             accelerator, not on the CPU), True or False.
         cuda_graphs: on the sync-free path, run the solver as a CUDA graph captured once per
             padded number of selected rows (off by default: it pays in long runs).
-        restore_rng: save torch's global random state with the callback's state and restore it
-            on resume (one process only).
     """
 
     sync_free: bool | Literal["auto"] = "auto"
     cuda_graphs: bool = False
-    restore_rng: bool = True
 
     def __post_init__(self) -> None:
-        if self.sync_free not in (True, False, "auto"):
-            raise ValueError(f"`runtime.sync_free` must be True, False or 'auto', got {self.sync_free!r}. Fix: use "
-                             "'auto' (no host reads on an accelerator, the default path on the CPU).")
-        _check_bool("runtime", "cuda_graphs", self.cuda_graphs, "use False.")
-        _check_bool("runtime", "restore_rng", self.restore_rng, "use True.")
+        check_choice(self.sync_free, (True, False, "auto"), "runtime.sync_free",
+                     "use 'auto' (no host reads on an accelerator, the default path on the CPU).")
+        check_flag(self.cuda_graphs, "runtime.cuda_graphs", "use False.")
         if self.cuda_graphs and self.sync_free is False:
             raise ValueError("`runtime.cuda_graphs=True` needs the sync-free path, but `runtime.sync_free=False`. Fix: "
                              "use sync_free='auto' (on a GPU) or True, or cuda_graphs=False.")
@@ -200,24 +191,35 @@ class RuntimeSettings:
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    """What the callback logs beside its per-step and per-epoch statistics.
+    """What the callback logs beside the training itself, and how often.
 
     Attributes:
+        every_n_steps: the per-step diagnostics (``lpa3/<name>_step`` and the epoch means of the
+            ``x'``: perceptual distance, projected, label kept as trained and in eval mode,
+            solver time, the selected shares) are measured on every N-th training batch only,
+            so the other steps pay nothing for them; None: the Trainer's ``log_every_n_steps``
+            (the steps Lightning writes to the logger anyway). 1 measures every step. The
+            counts behind the warnings (non-finite inputs and predictions, ``x'`` that barely
+            move) are kept on every step.
         images_every_n_epochs: every N epochs (0: never) a grid of the first ``num_images``
             training images, their ``x'`` and ``|x' - x|`` to the Trainer's logger.
         num_images: images in the grid.
         eval_preservation: log ``lpa3/label_preserved_eval`` (one extra no-grad forward of the
-            selected ``x`` and ``x'`` per step).
+            selected ``x`` and ``x'`` on each measured step).
     """
 
+    every_n_steps: int | None = None
     images_every_n_epochs: int = 0
     num_images: int = 8
     eval_preservation: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("logging", "images_every_n_epochs", self.images_every_n_epochs, 0, "use 0 (off) or e.g. 5.")
-        _check_int("logging", "num_images", self.num_images, 1, "use e.g. 8.")
-        _check_bool("logging", "eval_preservation", self.eval_preservation, "use True.")
+        if self.every_n_steps is not None:
+            check_int(self.every_n_steps, "logging.every_n_steps", 1,
+                      "use None (the Trainer's log_every_n_steps) or 1 (every step).")
+        check_int(self.images_every_n_epochs, "logging.images_every_n_epochs", 0, "use 0 (off) or e.g. 5.")
+        check_int(self.num_images, "logging.num_images", 1, "use e.g. 8.")
+        check_flag(self.eval_preservation, "logging.eval_preservation", "use True.")
 
 
 #: The groups of each preset: this package's defaults, or the LP-A3 authors' behaviour where a
@@ -229,71 +231,98 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "selection": SelectionSettings(initial_memory="authors", initial_selection="all",
                                                threshold_rule="authors")},
 }
-_GROUPS = {"solver": SolverSettings, "selection": SelectionSettings, "cache": CacheSettings,
-           "runtime": RuntimeSettings, "logging": LoggingSettings}
-
-#: Where each former keyword argument of LPA3Callback lives now: (group, field).
-MOVED: dict[str, tuple[str, str]] = {
-    **{name: ("solver", name) for name in ("lam", "temperature", "project", "max_step", "fast", "attack_bn",
-                                           "allow_tf32")},
-    "num_samples": ("selection", "num_samples"), "tcs_divergence": ("selection", "divergence"),
-    "tcs_initial_memory": ("selection", "initial_memory"), "initial_selection": ("selection", "initial_selection"),
-    "threshold_rule": ("selection", "threshold_rule"),
-    "regenerate_every_n_epochs": ("cache", "regenerate_every_n_epochs"),
-    "attack_new_selections": ("cache", "attack_new_selections"), "cache_max_bytes": ("cache", "max_bytes"),
-    "cache_dir": ("cache", "dir"), "cache_on_device": ("cache", "on_device"),
-    "checkpoint_cache": ("cache", "in_checkpoint"),
-    **{name: ("runtime", name) for name in ("sync_free", "cuda_graphs", "restore_rng")},
-    "log_images_every_n_epochs": ("logging", "images_every_n_epochs"),
-    "num_logged_images": ("logging", "num_images"), "log_eval_preservation": ("logging", "eval_preservation"),
-}
+GROUPS = {"solver": SolverSettings, "selection": SelectionSettings, "cache": CacheSettings,
+          "runtime": RuntimeSettings, "logging": LoggingSettings}
 
 
-def moved_setting(name: str) -> str:
-    """The message for a keyword argument that moved into a group (or does not exist)."""
-    if name not in MOVED:
-        return f"LPA3Callback has no setting `{name}`. Fix: see the groups in lpa3_lightning.callback.settings."
-    group, field = MOVED[name]
-    cls = _GROUPS[group].__name__
-    return (f"LPA3Callback's `{name}` moved to the `{group}` group: pass `{group}={cls}({field}=...)` (or "
-            f"`{group}={{'{field}': ...}}`); in a YAML config, `{group}:` with `{field}:` under it.")
+def _group_of(name: str) -> str | None:
+    return next((group for group, cls in GROUPS.items() if name in {f.name for f in fields(cls)}), None)
 
 
 def as_group(group: str, value: Any, preset: str) -> Any:
-    """A group's settings from None (the preset's), a dataclass or a mapping (its fields), over the
-    preset's: a mapping sets the keys it names, a dataclass the fields it changes from their defaults.
+    """A group's settings: the preset's when ``value`` is None; else ``value`` as given (a dataclass,
+    or a mapping of its fields over the documented defaults, never the preset's).
 
     Raises:
-        ValueError: for another type or a mapping with a key the group does not have, naming it.
+        ValueError: for another type, or a mapping with a key the group does not have (naming the
+            group it belongs to, or the closest field).
     """
-    cls = _GROUPS[group]
+    cls = GROUPS[group]
     if value is None:
         return PRESETS[preset].get(group, cls())
     if isinstance(value, cls):
-        # the fields it changes from the defaults, over the preset's (LightningCLI builds a group
-        # from YAML as a dataclass: `preset: authors` with `solver: {max_step: 1.0}` keeps the
-        # authors' other solver switches, as the same mapping does in Python)
-        default = cls()
-        changed = {f.name: getattr(value, f.name) for f in fields(cls)
-                   if getattr(value, f.name) != getattr(default, f.name)}
-        return replace(PRESETS[preset].get(group, default), **changed)
+        return value
     if isinstance(value, Mapping):
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"`{group}` has no setting {unknown}. Fix: use one of {sorted(known)}.")
-        return replace(PRESETS[preset].get(group, cls()), **dict(value))
+        known = [f.name for f in fields(cls)]
+        for key in value:
+            if key not in known:
+                home = _group_of(key)
+                where = (f"it is a setting of the `{home}` group" if home is not None else
+                         f"did you mean {difflib.get_close_matches(key, known, n=1)[0]!r}?"
+                         if difflib.get_close_matches(key, known, n=1) else f"its settings are {known}")
+                raise ValueError(f"`{group}` has no setting `{key}`: {where}. Fix: move or rename it.")
+        return cls(**dict(value))
     raise ValueError(f"`{group}` must be a {cls.__name__}, a mapping of its fields or None, got "
                      f"{type(value).__name__}.")
 
 
 def preset_groups(preset: str, **groups: Any) -> dict[str, Any]:
-    """Every group, each from ``groups`` (a dataclass, a mapping or None) over the preset's.
+    """Every group, each from ``groups`` (a dataclass, a mapping or None for the preset's).
 
     Raises:
         ValueError: for an unknown preset, naming the choices.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}. Fix: use 'package' (default) "
-                         "or 'authors' (the LP-A3 authors' behaviour where a switch restores it).")
-    return {group: as_group(group, groups.get(group), preset) for group in _GROUPS}
+    check_choice(preset, tuple(PRESETS), "preset",
+                 "use 'package' (default) or 'authors' (the LP-A3 authors' behaviour where a switch restores it).")
+    return {group: as_group(group, groups.get(group), preset) for group in GROUPS}
+
+
+def unknown_argument(name: str, arguments: list[str]) -> str:
+    """The message for a keyword LPA3Callback does not take: the group holding a setting of that
+    name, or the closest of ``arguments`` (the callback's own)."""
+    group = _group_of(name)
+    if group is not None:
+        cls = GROUPS[group].__name__
+        return (f"LPA3Callback's `{name}` is a setting of the `{group}` group: pass `{group}={cls}({name}=...)` (or "
+                f"`{group}={{'{name}': ...}}`); in a YAML config, `{group}:` with `{name}:` under it.")
+    candidates = {argument: argument for argument in arguments}
+    for group_name, cls in GROUPS.items():
+        candidates.update({f.name: f"{group_name}.{f.name}" for f in fields(cls) if f.name not in candidates})
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    hint = f"; did you mean `{candidates[close[0]]}`?" if close else ""
+    return f"LPA3Callback got an unexpected argument `{name}`{hint} Fix: see its arguments and groups " \
+           "(lpa3_lightning.callback.settings)."
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything one fit runs with, resolved at its start and handed to every runner and stage
+    (they never read the callback): the callback's arguments with the seed, the input box and the
+    path decided, and the five groups.
+
+    Attributes:
+        ratio, sigma, steps, warmup_epochs, layers: the callback's arguments.
+        seed: the base seed of the solver's noise (the callback's ``seed``, or one fixed at the
+            first fit and kept in checkpoints when it is None).
+        input_range: the solver's input box (``"auto"`` resolved from the data module).
+        sync_free: whether the per-batch path reads nothing on the host (``runtime.sync_free``
+            resolved for the module's device).
+        world_size, rank: the processes of the fit.
+        solver, selection, cache, runtime, logging: the groups.
+    """
+
+    ratio: float
+    sigma: float
+    steps: int
+    warmup_epochs: int
+    seed: int
+    layers: Any
+    input_range: Any
+    sync_free: bool
+    world_size: int
+    rank: int
+    solver: SolverSettings
+    selection: SelectionSettings
+    cache: CacheSettings
+    runtime: RuntimeSettings
+    logging: LoggingSettings

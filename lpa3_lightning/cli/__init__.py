@@ -1,5 +1,5 @@
 """The ``lpa3`` command (LightningCLI over any module and data module) and ``lpa3 show``."""
 
-from lpa3_lightning.cli.main import LPA3CLI, build_cli, main, moved_config_keys
+from lpa3_lightning.cli.main import LPA3CLI, build_cli, main
 
-__all__ = ["LPA3CLI", "build_cli", "main", "moved_config_keys"]
+__all__ = ["LPA3CLI", "build_cli", "main"]

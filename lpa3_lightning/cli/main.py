@@ -41,44 +41,8 @@ class LPA3CLI(LightningCLI):
             print(f"logs and checkpoints: {log_dir}")
 
 
-def moved_config_keys(argv: list[str]) -> list[str]:
-    """One message per LPA3Callback key of the given ``--config`` files that moved into a settings
-    group (flat keys of configs written before the groups): jsonargparse's own error for them
-    lists every accepted type and buries the key."""
-    import yaml
-
-    from lpa3_lightning.callback.settings import MOVED, moved_setting
-
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    messages = []
-    for path in paths:
-        try:
-            with open(path) as handle:
-                config = yaml.safe_load(handle) or {}
-        except (OSError, yaml.YAMLError):
-            continue  # the CLI reports an unreadable file itself
-        callbacks = ((config.get("trainer") or {}).get("callbacks") or []) if isinstance(config, dict) else []
-        for callback in callbacks if isinstance(callbacks, list) else []:
-            if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("LPA3Callback"):
-                for key in callback.get("init_args") or {}:
-                    if key in MOVED:
-                        messages.append(f"{path}: {moved_setting(key)}")
-    return messages
-
-
 def build_cli(args: Any = None, run: bool = True) -> LPA3CLI:
-    """The CLI as ``lpa3`` builds it (``run=False`` only instantiates trainer, model and data).
-
-    Raises:
-        SystemExit: when a config gives LPA3Callback a flat key that now lives in a group,
-            naming the key and its group.
-    """
-    argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if args is None or isinstance(args, list) \
-        else []
-    moved = moved_config_keys(argv)
-    if moved:
-        raise SystemExit("error: " + "\n".join(moved))
+    """The CLI as ``lpa3`` builds it (``run=False`` only instantiates trainer, model and data)."""
     return LPA3CLI(
         LightningModule,
         LightningDataModule,

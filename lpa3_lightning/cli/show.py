@@ -2,7 +2,7 @@
 
     lpa3 show --ckpt runs/.../last.ckpt --out lpa3_examples.png [--root DIR] [--split test]
               [--num 8] [--seed 0] [--network net1] [--sigma S] [--steps N] [--max-step auto|none|L]
-              [--bn-mode auto|eval|twin]
+              [--bn-mode auto|eval|twin|batch]
 
 Rows: the first ``--num`` images of the split, their LP-A3 hard positives under the
 checkpoint's model, and the absolute difference stretched per image. Prints the per-image
@@ -27,13 +27,15 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from lpa3_lightning.core.attack import lpa3_attack
+from lpa3_lightning.core.batch_statistics import resolve_bn_mode
 from lpa3_lightning.core.dual_bn import has_dual_bn
 from lpa3_lightning.core.input_box import check_max_step
+from lpa3_lightning.core.model_outputs import eval_mode
 from lpa3_lightning.core.visualize import save_comparison_grid
 
 __all__ = ["main"]
 
-#: The solver's settings when the checkpoint holds none (an older checkpoint): LPA3Callback's defaults.
+#: The solver's settings when the checkpoint holds none (written without LPA3Callback): its defaults.
 CALLBACK_DEFAULTS: dict[str, Any] = {"sigma": 0.02, "steps": 5, "lam": 1.0, "temperature": 1.0, "max_step": "auto",
                                      "attack_bn": "auto", "project": True, "fast": False, "allow_tf32": False,
                                      "layers": None}
@@ -55,9 +57,9 @@ def _module_class(checkpoint: dict[str, Any]) -> type:
 
 def _solver_settings(checkpoint: dict[str, Any], network: str | None) -> tuple[dict[str, Any], bool]:
     """The training callback's solver settings (and whether the checkpoint held them)."""
-    state = checkpoint.get("callbacks", {}).get("LPA3Callback", {})
-    if "networks" in state:
-        state = state["networks"].get(network or "net1", {})
+    states = [state for key, state in checkpoint.get("callbacks", {}).items() if key.startswith("LPA3Callback")]
+    networks = states[0].get("networks", {}) if states else {}
+    state = networks.get(network or "", networks.get("net1", {}))
     saved = state.get("settings")
     return ({**CALLBACK_DEFAULTS, **saved} if saved else dict(CALLBACK_DEFAULTS)), bool(saved)
 
@@ -111,9 +113,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-step", default=None, type=_max_step,
                         help="largest L2 length of one solver step: auto, none (the authors' unbounded step) or a "
                         "number; default: the training callback's")
-    parser.add_argument("--bn-mode", default=None, choices=["auto", "eval", "twin"],
-                        help="the solver's BatchNorm mode; default: the training callback's (auto: the twin BNs, "
-                        "with the shown images' batch statistics, when the model has them)")
+    parser.add_argument("--bn-mode", default=None, choices=["auto", "eval", "twin", "batch"],
+                        help="the solver's BatchNorm mode; default: the training callback's (auto: the twin BNs when "
+                        "the model has them, else its own BNs, on the shown images' batch statistics)")
     args = parser.parse_args(argv)
     if not args.ckpt.is_file():
         parser.error(f"--ckpt {args.ckpt} does not exist. Fix: pass a checkpoint written by `lpa3 fit` "
@@ -140,18 +142,16 @@ def main(argv: list[str] | None = None) -> Path:
                      "ResNet-18 and WRN, docs/method.md section 8). Fix: pass a checkpoint of `lpa3 fit` with a ready "
                      "module (LPA3Classifier, FixMatchClassifier, PESClassifier or DivideMixClassifier) of this "
                      "release, or call lpa3_lightning.core.visualize.save_comparison_grid from your own code.")
-    module.eval()
+    module.train()  # as in training: the solver puts the model in eval mode itself (batch mode needs the flags)
     model: nn.Module = getattr(module, args.network or "net1") if cls.__name__ == "DivideMixClassifier" else module.model
-    bn_mode = settings["attack_bn"]
-    if bn_mode == "auto":
-        bn_mode = "twin" if has_dual_bn(model) else "eval"
-    if bn_mode == "twin" and (not has_dual_bn(model) or args.num < 2):
-        parser.error("--bn-mode twin needs a model with twin BNs and --num >= 2 (batch statistics). Fix: use "
-                     "--bn-mode eval.")
+    bn_mode = resolve_bn_mode(model, settings["attack_bn"])
+    if bn_mode in ("twin", "batch") and (args.num < 2 or (bn_mode == "twin" and not has_dual_bn(model))):
+        parser.error(f"--bn-mode {bn_mode} needs --num >= 2 (batch statistics){' and a model with twin BNs' if bn_mode == 'twin' else ''}. "
+                     "Fix: use --bn-mode eval.")
     (x, y), name, normalization = _images(checkpoint, args.root, args.split, args.num)
     supervised = cls.__name__ == "LPA3Classifier"
     if not supervised:  # the label training preserves there: the model's own (pseudo-label / guess)
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):
             y = model(x).argmax(1)
     x_adv, stats = lpa3_attack(
         model, x, y, sigma=settings["sigma"], steps=settings["steps"], lam=settings["lam"],

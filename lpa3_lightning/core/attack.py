@@ -26,7 +26,6 @@ are taken with :func:`torch.autograd.grad` w.r.t. the perturbation only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,7 +33,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lpa3_lightning.core.dual_bn import TwinStatistics, has_dual_bn
+from lpa3_lightning.core.arguments import check_int, check_number
+from lpa3_lightning.core.batch_statistics import BatchStatistics
+from lpa3_lightning.core.dual_bn import has_dual_bn
 from lpa3_lightning.core.features import PerceptualFeatures
 from lpa3_lightning.core.input_box import (
     InputRange,
@@ -45,7 +46,7 @@ from lpa3_lightning.core.input_box import (
     resolve_input_range,
 )
 from lpa3_lightning.core.model_outputs import unwrap_compiled
-from lpa3_lightning.core.solver_forward import label_log_prob, parameter_dtype, per_sample, solver_context
+from lpa3_lightning.core.solver_forward import BN_MODES, label_log_prob, parameter_dtype, per_sample, solver_context
 from lpa3_lightning.core.solver_graphs import SolverGraphs
 from lpa3_lightning.core.solver_loop import SolveRows
 
@@ -72,21 +73,17 @@ class AttackStats:
     l2: Tensor
 
 
-def check_solver_arguments(sigma: float, steps: int, lam: float, temperature: float) -> None:
-    """Refuse solver settings out of range, naming the argument and the fix.
+def check_solver_arguments(sigma: float, steps: int, lam: float, temperature: float, prefix: str = "") -> None:
+    """Refuse solver settings out of range, naming the argument (after ``prefix``, e.g. ``"solver."``) and the fix.
 
     Raises:
         ValueError: if ``sigma`` is not positive and finite, ``steps`` not an int >= 1,
             ``lam`` negative or not finite, or ``temperature`` not positive.
     """
-    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"`sigma` must be a positive finite float, got {sigma!r}. Fix: use 0.002 to 0.02 (paper).")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}. Fix: use 5 (the paper's T).")
-    if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
-        raise ValueError(f"`lam` must be a finite float >= 0, got {lam!r}. Fix: use 1.0 (the authors').")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"`temperature` must be > 0, got {temperature!r}. Fix: use 1.0 (plain softmax).")
+    check_number(sigma, "sigma", "use 0.002 to 0.02 (paper).", positive=True)
+    check_int(steps, "steps", 1, "use 5 (the paper's T).")
+    check_number(lam, f"{prefix}lam", "use 1.0 (the authors').")
+    check_number(temperature, f"{prefix}temperature", "use 1.0 (plain softmax).", positive=True)
 
 
 def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps: int, lam: float,
@@ -101,9 +98,9 @@ def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps
             f"{tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__}."
         )
     check_solver_arguments(sigma, steps, lam, temperature)
-    if bn_mode not in ("eval", "twin"):
-        raise ValueError(f"`bn_mode` must be 'eval' or 'twin', got {bn_mode!r}. Fix: use 'eval' (or 'twin' with "
-                         "convert_dual_bn).")
+    if bn_mode not in BN_MODES:
+        raise ValueError(f"`bn_mode` must be one of {BN_MODES}, got {bn_mode!r}. Fix: use 'eval' (running statistics), "
+                         "'batch' (the clean batch's statistics) or 'twin' (with convert_dual_bn).")
     if bn_mode == "twin" and not has_dual_bn(model):
         raise ValueError("`bn_mode='twin'` needs a model with twin BatchNorms. Fix: call `convert_dual_bn(model)` "
                          "or use bn_mode='eval'.")
@@ -125,12 +122,12 @@ def lpa3_attack(
     generator: torch.Generator | None = None,
     project: bool = True,
     bisection_steps: int = 8,
-    bn_mode: Literal["eval", "twin"] = "eval",
+    bn_mode: Literal["eval", "twin", "batch"] = "eval",
     logits_fn: Callable[[Any], Tensor] | None = None,
     fast: bool = False,
     max_step: MaxStep = "auto",
     allow_tf32: bool = False,
-    twin_statistics: TwinStatistics | None = None,
+    bn_statistics: BatchStatistics | None = None,
     return_stats: bool = False,
     sync_free: bool = False,
     graphs: SolverGraphs | None = None,
@@ -160,8 +157,10 @@ def lpa3_attack(
             statistics, nothing updated. ``"twin"``: as the authors, through the twin
             BatchNorms (see :func:`convert_dual_bn`) with batch statistics, here those of the
             clean batch, frozen for the call (the authors recompute them at every forward,
-            which couples the samples and breaks a per-sample guarantee). Either way no
-            running statistic moves and each sample's constraint is checked exactly.
+            which couples the samples and breaks a per-sample guarantee). ``"batch"``: the
+            model's own BatchNorms (those in train mode) on the clean batch's frozen statistics,
+            for a model without twins (:mod:`lpa3_lightning.core.batch_statistics`). Either way
+            no running statistic moves and each sample's constraint is checked exactly.
         logits_fn: maps the model's output to logits (dict / tuple / dataclass outputs).
         fast: cheaper solver (not the authors'): the finite-difference slope of ``log p`` is
             measured at the first step only and reused by the later ones (no extra forward
@@ -179,10 +178,10 @@ def lpa3_attack(
         allow_tf32: let the solver's convolutions and matrix products use TF32 on CUDA (the
             precision the rest of the run uses). False (default): full float32 inside the
             solver, because TF32's ~3 significant digits are the scale of sigma itself.
-        twin_statistics: with ``bn_mode="twin"``, the frozen twin statistics to normalise
-            with (:func:`~lpa3_lightning.core.dual_bn.frozen_twin_bn`); None captures those of
-            ``x``. The callback captures them once per batch from all the selected clean
-            samples and trains ``x'`` with the same ones.
+        bn_statistics: with ``bn_mode="twin"`` or ``"batch"``, the frozen batch statistics to
+            normalise with (:func:`~lpa3_lightning.core.batch_statistics.frozen_batch_statistics`);
+            None captures those of ``x``. The callback captures them once per batch from all the
+            selected clean samples and trains ``x'`` with the same ones.
         return_stats: also return :class:`AttackStats`.
         sync_free: never read a device value on the host (no GPU synchronisation inside the
             call): the bisection evaluates every sample in each of its ``bisection_steps``
@@ -199,7 +198,7 @@ def lpa3_attack(
         graphs: with ``sync_free=True``, a :class:`~lpa3_lightning.core.solver_graphs.SolverGraphs`
             that runs the solve as a CUDA graph captured once per padded batch size (on a CPU
             it solves the padded rows eagerly). The same ``x'`` up to float rounding; in twin
-            mode without ``twin_statistics`` they are taken from ``x`` by one extra forward
+            and batch mode without ``bn_statistics`` they are taken from ``x`` by one extra forward
             (padding rows must not enter them). Not yet run on a GPU.
 
     Returns:
@@ -270,19 +269,19 @@ def lpa3_attack(
     rows = SolveRows(feats, sigma=sigma, steps=steps, lam=lam, temperature=temperature, fast=fast, project=project,
                       bisection_steps=bisection_steps, sync_free=sync_free)
     if graphs is not None:
-        if bn_mode == "twin" and twin_statistics is None:  # from the real rows, before any padding
-            _, twin_statistics = label_log_prob(model, x, y, bn_mode="twin", logits_fn=logits_fn,
-                                                temperature=temperature, allow_tf32=allow_tf32)
+        if bn_mode != "eval" and bn_statistics is None:  # from the real rows, before any padding
+            _, bn_statistics = label_log_prob(model, x, y, bn_mode=bn_mode, logits_fn=logits_fn,
+                                              temperature=temperature, allow_tf32=allow_tf32)
         x_adv, logp0, logp_final, dist_final, projected = graphs.solve(
             rows, x, y, noise, bounds, step_bound,
             lambda statistics: solver_context(model, bn_mode, statistics, x.device, allow_tf32),
-            twin_statistics if bn_mode == "twin" else None, model,
+            bn_statistics if bn_mode != "eval" else None, model,
             key=(rows.settings(), bn_mode, layers if layers is None or isinstance(layers, str) else tuple(layers),
                  # the function itself, not its id: a bound method compares equal across accesses, and
                  # the key keeps it alive, so a new function cannot take a freed one's id
                  logits_fn, allow_tf32))
     else:
-        with solver_context(model, bn_mode, twin_statistics, x.device, allow_tf32):
+        with solver_context(model, bn_mode, bn_statistics, x.device, allow_tf32):
             x_adv, logp0, logp_final, dist_final, projected = rows(x, y, noise, bounds, step_bound)
     with torch.no_grad():
         if sync_free:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lpa3_lightning.core.attack import AttackStats
-from lpa3_lightning.core.dual_bn import TwinStatistics
+from lpa3_lightning.core.batch_statistics import BatchStatistics
 
 __all__ = ["AugmentedBatch", "LPA3Request", "selected_positions"]
 
@@ -73,13 +73,14 @@ class AugmentedBatch:
         stats: the solver's per-sample diagnostics of the freshly generated samples, when
             it ran (reused cached samples have none).
         reused: how many of the ``M`` came from the cache instead of the solver.
-        bn_mode: the normalisation the solver checked the constraint under: ``"twin"``
-            (twin BN) or ``"eval"`` (BN on running statistics), both with ``bn_statistics``.
-        bn_statistics: the statistics the solver normalised with: the twins' frozen batch
-            statistics of the clean selected samples, or a snapshot of the running statistics.
+        bn_mode: the normalisation the solver checked the constraint under: ``"twin"`` (the
+            twins) or ``"batch"`` (the model's BatchNorms), both on the clean selected samples'
+            frozen batch statistics, or ``"eval"`` (BN on running statistics); all with ``bn_statistics``.
+        bn_statistics: the statistics the solver normalised with: the frozen batch statistics
+            of the clean selected samples, or a snapshot of the running statistics.
         allow_tf32: whether the solver ran with TF32 (the training forward matches it).
-        reference_inputs: the clean selected samples (``M`` rows) whose twin statistics the
-            solver froze; the training forward recomputes the statistics from them.
+        reference_inputs: the clean selected samples whose batch statistics the solver froze
+            (``"twin"`` and ``"batch"`` mode); the training forward recomputes the statistics from them.
         network: the network the ``x'`` were solved on, for a module with several
             (:meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_networks`); None for one.
         skipped: how many selected rows were not solved because the request's ``train_mask``
@@ -96,7 +97,7 @@ class AugmentedBatch:
     stats: AttackStats | None = None
     reused: int = 0
     bn_mode: str = "eval"
-    bn_statistics: TwinStatistics | None = None
+    bn_statistics: BatchStatistics | None = None
     allow_tf32: bool = False
     reference_inputs: Tensor | None = None
     network: str | None = None

@@ -190,15 +190,22 @@ class AugmentationCache:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of this version.
+
+        Raises:
+            ValueError: for a state of another version or data set size, naming the fix.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"This x' cache state is of version {state.get('version')!r}; this package reads version "
+                             f"{_STATE_VERSION}. Fix: resume with the lpa3-lightning version that wrote it, or start a "
+                             "new run.")
         if state.get("num_samples") != self.num_samples:
             raise ValueError(
                 f"The checkpointed augmentation cache is for {state.get('num_samples')} samples, this training set "
                 f"has {self.num_samples}. Fix: resume with the same training data."
             )
         self.written = state["written"].clone()
-        # entries of a version-1 state were solved for the (fixed) true labels: -1 would never
-        # match, so those entries are regenerated
-        self.labels = state.get("labels", torch.full_like(self.written, -1)).clone()
+        self.labels = state["labels"].clone()
         if state.get("storage") is not None:
             stored = state["storage"]
             device = self._place(stored.numel() * stored.element_size())

@@ -1,24 +1,21 @@
-"""Cross-process sync of the per-sample predictions that feed the TCS memory (no Lightning).
+"""The collectives of the per-step exchange between processes (no Lightning).
 
-Under data parallelism every process sees a different slice of each global batch. To keep
-the time-consistency memory identical on every rank (as the authors' code does), each step
-all-gathers the dataset indices, predicted probabilities and labels of every rank, and every
-rank applies the same update. ``DistributedSampler`` pads the last global batch with
-duplicate indices; the first occurrence in rank order is kept, so every rank drops the same
-rows; a padded duplicate in a later step of the same epoch is dropped by the callback's
-per-epoch record of updated indices.
+Under data parallelism every process sees a different slice of each global batch. The TCS
+memory (:mod:`lpa3_lightning.core.tcs`) keeps every rank identical by exchanging each step's
+rows: :func:`exchange_sizes` tells every rank how many rows each sends (and whether a rank
+withdrew from the step), :func:`gather_padded` concatenates every rank's rows in rank order.
+``DistributedSampler`` pads the last global batch with duplicate indices; the first occurrence
+in rank order is kept (:func:`deduplicate_first`), so every rank keeps the same rows.
 
-Bytes per sample and step: 8 (int64 index) + 4 * C (float32 probabilities) + 8 (int64 label);
-with a cache (``regenerate_every_n_epochs > 1``) each newly generated ``x'`` adds
-8 + (bytes of one input) to a second all-gather;
-each rank receives ``world_size`` times its own share, so the traffic per rank grows linearly
-with the world size (an all-gather).
+Bytes per sample and step: 8 (int64 index) + 8 (finiteness) + 8 (int64 label) + 4 * C (float32
+probabilities); with a cache (``regenerate_every_n_epochs > 1``) each newly generated ``x'`` adds
+8 + (bytes of one input) to a second gather. Each rank receives ``world_size`` times its own share.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,10 +23,13 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
-    "all_equal", "any_rank_failed", "bytes_per_sample", "communication_device", "deduplicate_first",
-    "batchnorm_buffers_kept", "gather_predictions", "gather_rows", "gathered_sizes", "is_distributed",
-    "needs_every_rank",
+    "PeerAborted", "batchnorm_buffers_kept", "bytes_per_sample", "communication_device", "deduplicate_first",
+    "exchange_sizes", "gather_padded", "gather_rows", "is_distributed", "needs_every_rank",
 ]
+
+
+class PeerAborted(RuntimeError):
+    """Another process withdrew from the step's exchange (its own log names the reason)."""
 
 
 def is_distributed() -> bool:
@@ -71,31 +71,9 @@ def communication_device() -> torch.device:
     return torch.device("cpu")
 
 
-def any_rank_failed(failed: bool) -> bool:
-    """True on every rank when any rank reports a failure (False outside a process group).
-
-    Lets a rank that found bad input make all ranks raise together instead of leaving the
-    others waiting in the next collective.
-    """
-    if not is_distributed():
-        return failed
-    flag = torch.tensor([1.0 if failed else 0.0], device=communication_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
-
-
-def all_equal(value: int) -> bool:
-    """Whether every rank passed the same integer (True outside a process group)."""
-    if not is_distributed():
-        return True
-    t = torch.tensor([value, -value], dtype=torch.float64, device=communication_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0].item()) == value and int(-t[1].item()) == value
-
-
 def bytes_per_sample(num_classes: int) -> int:
-    """Bytes one sample adds to the per-step all-gather (index, probabilities, label)."""
-    return 8 + 4 * num_classes + 8
+    """Bytes one sample adds to the per-step all-gather (index, finiteness, label, probabilities)."""
+    return 8 + 8 + 8 + 4 * num_classes
 
 
 def deduplicate_first(indices: Tensor) -> Tensor:
@@ -116,65 +94,66 @@ def deduplicate_first(indices: Tensor) -> Tensor:
     return keep
 
 
-def gathered_sizes(rows: int, device: torch.device) -> list[int]:
-    """Every rank's number of rows (one all-gather; read on the host)."""
-    size = torch.tensor([rows], device=device)
+def exchange_sizes(rows: int, abort: bool = False) -> list[int]:
+    """Every rank's number of rows this step (one all-gather, read on the host).
+
+    ``abort``: this rank withdraws from the step (it raises its own error after the call); every
+    other rank raises :class:`PeerAborted` here, so none waits in a later collective. Outside a
+    process group: ``[rows]``.
+
+    Raises:
+        PeerAborted: on a rank that did not abort, when another did.
+    """
+    if not is_distributed():
+        return [rows]
+    size = torch.tensor([-1 if abort else rows], device=communication_device())
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
-    return [int(s) for s in torch.cat(sizes).tolist()]
+    counts = [int(s) for s in torch.cat(sizes).tolist()]
+    if not abort and min(counts) < 0:
+        raise PeerAborted("LPA3Callback stopped because another process failed in this step; that process's log has "
+                          "the reason and the fix.")
+    return counts
 
 
-def _all_gather_padded(t: Tensor, sizes: list[int]) -> Tensor:
-    """All-gather a tensor whose first dimension differs across ranks."""
-    longest = max(sizes)
-    padded = t.new_zeros((longest, *t.shape[1:]))
-    padded[: t.shape[0]] = t
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded.contiguous())
-    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+def gather_padded(tensors: Sequence[Tensor], sizes: list[int]) -> list[Tensor]:
+    """Each tensor's rows from every rank, concatenated in rank order (``sizes``: rows per rank).
 
-
-def _gather_by_index(indices: Tensor, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """All-gather ``indices`` and row-aligned ``tensors`` from every rank, first index occurrence kept.
-
-    One size exchange serves every tensor; ``None`` entries pass through as ``None``.
-    """
-    home, device = indices.device, communication_device()  # gloo: CPU tensors; nccl: this rank's GPU
-    sizes = gathered_sizes(indices.shape[0], device)
-    all_indices = _all_gather_padded(indices.to(device, torch.long), sizes)
-    keep = deduplicate_first(all_indices)
-    gathered = [None if t is None else _all_gather_padded(t.to(device), sizes)[keep].to(home) for t in tensors]
-    return (all_indices[keep].to(home), *gathered)
-
-
-def gather_predictions(
-    indices: Tensor, probs: Tensor, targets: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Every rank's ``(indices, probs, targets)`` of this step, deduplicated, in rank order.
-
-    Outside a multi-process group the inputs come back unchanged. Collective: every rank
-    must call it at the same step, also with an empty batch.
-
-    Args:
-        indices: ``(B,)`` dataset indices of this rank's batch.
-        probs: ``(B, C)`` probabilities.
-        targets: optional ``(B,)`` labels (every rank must pass them, or none).
-
-    Returns:
-        The concatenation over ranks (rank 0 first) with duplicate indices removed.
+    The tensors of one call are packed by dtype (one all-gather per dtype), so a step's index,
+    label and finiteness columns travel together. Collective; returns the inputs outside a
+    process group.
     """
     if not is_distributed():
-        return indices, probs, targets
-    return _gather_by_index(indices.to(probs.device), probs.float(),  # type: ignore[return-value]
-                            None if targets is None else targets.to(probs.device, torch.long))
+        return list(tensors)
+    device, longest = communication_device(), max(sizes)
+    out: list[Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(k)
+    for dtype, members in by_dtype.items():
+        widths = [int(tensors[k][0].numel()) if tensors[k].dim() > 1 else 1 for k in members]
+        flat = [tensors[k].reshape(tensors[k].shape[0], -1).to(device) for k in members]
+        packed = torch.cat(flat, dim=1) if flat else torch.empty(0, device=device, dtype=dtype)
+        padded = packed.new_zeros((longest, packed.shape[1]))
+        padded[: packed.shape[0]] = packed
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous())
+        every = torch.cat([part[:n] for part, n in zip(parts, sizes)])
+        start = 0
+        for k, width in zip(members, widths):
+            column = every[:, start:start + width].reshape(every.shape[0], *tensors[k].shape[1:])
+            out[k] = column.to(tensors[k].device)
+            start += width
+    return out  # type: ignore[return-value]
 
 
-def gather_rows(indices: Tensor, rows: Tensor, *more: Tensor) -> tuple[Tensor, ...]:
-    """Every rank's ``(indices, rows, *more)`` (e.g. freshly generated ``x'`` and their labels), deduplicated.
-
-    Collective like :func:`gather_predictions`; each tensor must have the same trailing shape
-    on every rank (an empty ``(0, ...)`` tensor when a rank has none).
-    """
+def gather_rows(indices: Tensor, *rows: Tensor) -> tuple[Tensor, ...]:
+    """Every rank's ``(indices, *rows)`` (e.g. freshly solved ``x'`` and their labels), the first
+    occurrence of each index kept. Collective; each tensor must have the same trailing shape on
+    every rank (an empty ``(0, ...)`` tensor when a rank has none)."""
     if not is_distributed():
-        return (indices, rows, *more)
-    return _gather_by_index(indices.to(rows.device), rows, *more)  # type: ignore[return-value]
+        return (indices, *rows)
+    sizes = exchange_sizes(int(indices.shape[0]))
+    every = gather_padded([indices.long(), *rows], sizes)
+    keep = deduplicate_first(every[0])
+    return tuple(t[keep] for t in every)

@@ -8,7 +8,8 @@ every BatchNorm gets a twin that only augmented samples go through.
 :func:`convert_dual_bn` swaps each ``BatchNorm{1,2,3}d`` in place for a subclass that keeps
 the original module's parameters and buffers under the *same* state-dict keys (so a plain
 checkpoint loads and evaluates with the main BN) and adds the twin under ``<name>.twin``.
-:func:`use_twin_bn` routes forwards through the twins for the duration of a ``with`` block.
+:func:`use_twin_bn` routes forwards through the twins for the duration of a ``with`` block;
+:mod:`lpa3_lightning.core.batch_statistics` normalises them on frozen batch statistics.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,30 +25,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
-    "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm", "TwinStatistics",
-    "anchor_twin_parameters", "convert_dual_bn", "frozen_twin_bn", "has_dual_bn", "reference_twin_bn", "twin_parameters",
-    "use_twin_bn",
+    "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm",
+    "anchor_twin_parameters", "convert_dual_bn", "dual_layers", "has_dual_bn", "twin_parameters", "use_twin_bn",
 ]
 
 #: The authors' momentum for the twin BN's running statistics.
 TWIN_MOMENTUM = 0.01
-
-
-@dataclass
-class TwinStatistics:
-    """Frozen per-layer batch statistics of the twin BatchNorms (one ``(mean, var)`` per twin).
-
-    Captured from the clean selected samples of a batch (see :func:`frozen_twin_bn`) and used
-    by the solver's forwards; the training forward of ``x'`` recomputes the same values from
-    those samples (:func:`reference_twin_bn`). With statistics that do not depend on the
-    ``x'`` each sample's output depends on that sample alone, so the label constraint checked
-    per sample holds for the batch as a whole. A twin that never ran holds None.
-    """
-
-    values: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.values)
 
 
 class _DualBatchNormMixin:
@@ -57,14 +39,12 @@ class _DualBatchNormMixin:
     twin: _BatchNorm
     _route_twin: bool
     _twin_track_stats: bool
-    _twin_frozen: tuple[Tensor, Tensor] | str | int | None
     _anchor_twin: bool
 
     def _init_twin(self, twin: _BatchNorm) -> None:
         self.twin = twin
         self._route_twin = False
         self._twin_track_stats = True
-        self._twin_frozen = None
         self._anchor_twin = False
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
@@ -77,42 +57,11 @@ class _DualBatchNormMixin:
                 out = out + sum(0.0 * p.sum() for p in self.twin.parameters())
             return out
         twin = self.twin
-        if self._twin_frozen is not None:
-            return self._frozen_twin_forward(x)
         if self._twin_track_stats or not twin.training:
             return twin(x)
         # Batch statistics without touching the twin's running buffers.
         twin._check_input_dim(x)
         return F.batch_norm(x, None, None, twin.weight, twin.bias, True, 0.0, twin.eps)
-
-    def _frozen_twin_forward(self, x: Tensor) -> Tensor:
-        # The first forward captures its batch statistics; later ones normalise with them, so
-        # every sample's output depends on that sample alone (the attack's per-sample check).
-        twin = self.twin
-        twin._check_input_dim(x)
-        if isinstance(self._twin_frozen, int) and not isinstance(self._twin_frozen, bool):
-            return self._reference_twin_forward(x, self._twin_frozen)
-        if self._twin_frozen == "capture":
-            dims = [0, *range(2, x.dim())]
-            self._twin_frozen = (x.detach().mean(dims), x.detach().var(dims, unbiased=False))
-        mean, var = self._twin_frozen  # type: ignore[misc]
-        return F.batch_norm(x, mean, var, twin.weight, twin.bias, False, 0.0, twin.eps)
-
-    def _reference_twin_forward(self, x: Tensor, num_reference: int) -> Tensor:
-        # Reference-batch normalisation (Salimans et al., NeurIPS 2016): the first
-        # ``num_reference`` rows set the statistics for all rows, and gradients flow through
-        # them as in ordinary batch normalisation (the scale invariance that keeps BN training
-        # stable); no running buffer moves. The values equal the frozen statistics of those rows.
-        twin = self.twin
-        dims = [0, *range(2, x.dim())]
-        reference = x[:num_reference]
-        mean = reference.mean(dims, keepdim=True)
-        var = reference.var(dims, unbiased=False, keepdim=True)
-        out = (x - mean) * torch.rsqrt(var + twin.eps)
-        if twin.affine:
-            shape = [1, -1] + [1] * (x.dim() - 2)
-            out = out * twin.weight.view(shape) + twin.bias.view(shape)
-        return out
 
     def _load_from_state_dict(
         self,
@@ -230,18 +179,19 @@ def convert_dual_bn(model: nn.Module, twin_momentum: float = TWIN_MOMENTUM) -> n
     return model
 
 
-def _dual_layers(model: nn.Module) -> list[_DualBatchNormMixin]:
+def dual_layers(model: nn.Module) -> list[_DualBatchNormMixin]:
+    """Every layer of ``model`` converted by :func:`convert_dual_bn`, in model order."""
     return [m for m in model.modules() if isinstance(m, _DUAL_TYPES)]
 
 
 def twin_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The affine parameters of every twin BatchNorm of ``model``."""
-    return [p for layer in _dual_layers(model) for p in layer.twin.parameters()]
+    return [p for layer in dual_layers(model) for p in layer.twin.parameters()]
 
 
 def has_dual_bn(model: nn.Module) -> bool:
     """Whether ``model`` has at least one twin BatchNorm (see :func:`convert_dual_bn`)."""
-    return bool(_dual_layers(model))
+    return bool(dual_layers(model))
 
 
 def anchor_twin_parameters(model: nn.Module, enabled: bool = True) -> None:
@@ -253,98 +203,31 @@ def anchor_twin_parameters(model: nn.Module, enabled: bool = True) -> None:
     twins receive an exact zero gradient in those steps; the output is unchanged. The
     callback turns this on for the fit under DDP, so a user's module cannot forget it.
     """
-    for layer in _dual_layers(model):
+    for layer in dual_layers(model):
         layer._anchor_twin = bool(enabled)
 
 
-def _twin_layers_of(model: nn.Module) -> list[_DualBatchNormMixin]:
-    layers = _dual_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first.")
-    return layers
-
-
 @contextlib.contextmanager
-def _routed(layers: list[_DualBatchNormMixin], frozen: list[Any], track_running_stats: bool = True) -> Iterator[None]:
-    """Route ``layers`` through their twins with the given per-layer ``_twin_frozen`` mode; restore after."""
-    saved = [(layer._route_twin, layer._twin_track_stats, layer._twin_frozen) for layer in layers]
-    try:
-        for layer, mode in zip(layers, frozen):
-            layer._route_twin = True
-            layer._twin_track_stats = track_running_stats
-            layer._twin_frozen = mode
-        yield
-    finally:
-        for layer, (route, track, mode) in zip(layers, saved):
-            layer._route_twin = route
-            layer._twin_track_stats = track
-            layer._twin_frozen = mode
-
-
-@contextlib.contextmanager
-def frozen_twin_bn(model: nn.Module, statistics: TwinStatistics | None = None) -> Iterator[TwinStatistics]:
-    """Route forwards through the twins with frozen batch statistics.
-
-    With ``statistics`` the twins normalise with them; without, the first forward inside the
-    block captures its own batch statistics (into the yielded object, filled when the block
-    exits) and every later forward reuses them. Running buffers are never updated, and the
-    module's train/eval flag does not matter: the statistics are given.
-
-    Raises:
-        ValueError: if ``model`` has no twin BatchNorm, or ``statistics`` has another number
-            of layers than the model has twins.
-    """
-    layers = _twin_layers_of(model)
-    if statistics is not None and len(statistics) != len(layers):
-        raise ValueError(f"`statistics` holds {len(statistics)} layers but the model has {len(layers)} twin "
-                         "BatchNorms. Fix: pass statistics captured from this model.")
-    captured = TwinStatistics() if statistics is None else statistics
-    # a twin that never runs in this forward (e.g. an auxiliary head skipped in eval mode) keeps
-    # None: given back, it captures again, which no forward of this model reaches either
-    given = None if statistics is None else ["capture" if v is None else v for v in statistics.values]
-    with _routed(layers, ["capture"] * len(layers) if given is None else given):
-        yield captured
-        if statistics is None:
-            captured.values = [layer._twin_frozen if isinstance(layer._twin_frozen, tuple) else None  # type: ignore[misc]
-                               for layer in layers]
-
-
-@contextlib.contextmanager
-def reference_twin_bn(model: nn.Module, num_reference: int) -> Iterator[nn.Module]:
-    """Route forwards through the twins, normalising every row with the first ``num_reference`` rows' statistics.
-
-    The training forward of ``x'``: ``model(cat([x_reference, x_adv]))`` normalises ``x'`` with
-    exactly the statistics the solver froze (those of the clean selected samples, computed in
-    the same way), while gradients flow through the statistics as in ordinary batch
-    normalisation. Running buffers never move.
-
-    Raises:
-        ValueError: if ``model`` has no twin BatchNorm or ``num_reference`` < 1.
-    """
-    layers = _twin_layers_of(model)
-    if isinstance(num_reference, bool) or not isinstance(num_reference, int) or num_reference < 1:
-        raise ValueError(f"`num_reference` must be an int >= 1, got {num_reference!r}.")
-    with _routed(layers, [num_reference] * len(layers)):
-        yield model
-
-
-@contextlib.contextmanager
-def use_twin_bn(
-    model: nn.Module, track_running_stats: bool = True, freeze_statistics: bool = False
-) -> Iterator[nn.Module]:
-    """Route every forward of ``model`` inside the block through the twin BatchNorms.
+def use_twin_bn(model: nn.Module, track_running_stats: bool = True) -> Iterator[nn.Module]:
+    """Route every forward of ``model`` inside the block through the twin BatchNorms, in the
+    module's mode (the authors' forward of ``x'``: the ``x'`` batch's own statistics).
 
     Args:
         model: a model converted with :func:`convert_dual_bn`.
         track_running_stats: False uses batch statistics in train mode without updating the
             twins' running buffers.
-        freeze_statistics: the first forward inside the block normalises with its own batch
-            statistics and every later forward reuses them (running buffers untouched), so
-            samples no longer influence each other; used by the attack in ``bn_mode="twin"``.
 
     Raises:
         ValueError: if ``model`` has no twin BatchNorm.
     """
-    layers = _twin_layers_of(model)
-    with _routed(layers, ["capture" if freeze_statistics else None] * len(layers), track_running_stats):
+    layers = dual_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first.")
+    saved = [(layer._route_twin, layer._twin_track_stats) for layer in layers]
+    try:
+        for layer in layers:
+            layer._route_twin, layer._twin_track_stats = True, track_running_stats
         yield model
+    finally:
+        for layer, (route, track) in zip(layers, saved):
+            layer._route_twin, layer._twin_track_stats = route, track

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lpa3_lightning.core.dual_bn import _dual_layers
+from lpa3_lightning.core.batch_statistics import capture_kept
 from lpa3_lightning.core.model_outputs import CONV_TYPES, eval_mode, first_tensor, token_batch_first
 
 __all__ = ["default_feature_layers", "resolve_layers"]
@@ -60,9 +60,9 @@ def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
     hooked, also fires when only the chosen ones are.
 
     Nothing of the model changes: every train/eval flag is restored, no backward runs (no
-    parameter or ``.grad`` moves), BatchNorm running statistics do not move in eval mode, the
-    twin BatchNorms' frozen-statistics capture is restored (the solver's first real forward
-    must still capture the whole batch's statistics), and the global RNG streams are forked.
+    parameter or ``.grad`` moves), BatchNorm running statistics do not move in eval mode, a
+    frozen-statistics capture in progress is kept for the solver's first real forward
+    (:func:`~lpa3_lightning.core.batch_statistics.capture_kept`), and the global RNG streams are forked.
 
     Raises:
         TypeError: if ``example_input`` is not a tensor.
@@ -135,15 +135,10 @@ def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
                 handle.remove()
         usable_in.append(seen - refused)
 
-    twins = [(layer, layer._twin_frozen) for layer in _dual_layers(model)]
     devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.is_cuda else []
-    try:
-        with eval_mode(model), torch.random.fork_rng(devices=devices):
-            run(grad=False)
-            run(grad=True)
-    finally:
-        for layer, frozen in twins:
-            layer._twin_frozen = frozen
+    with eval_mode(model), torch.random.fork_rng(devices=devices), capture_kept(model):
+        run(grad=False)
+        run(grad=True)
     both = usable_in[0] & usable_in[1]
     result.order = {name: i for name, i in result.order.items() if name in both}
     return result

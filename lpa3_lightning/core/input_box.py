@@ -78,13 +78,13 @@ AUTO_BOX_STDS = 4.0
 MaxStep = Union[float, Literal["auto"], None]
 
 
-def check_max_step(max_step: MaxStep) -> None:
-    """Raise a ValueError naming ``max_step`` unless it is None, ``"auto"`` or a positive finite number."""
+def check_max_step(max_step: MaxStep, name: str = "max_step") -> None:
+    """Raise a ValueError naming ``name`` unless ``max_step`` is None, ``"auto"`` or a positive finite number."""
     if max_step is None or max_step == "auto":
         return
     if isinstance(max_step, bool) or not isinstance(max_step, (int, float)) or not math.isfinite(max_step) \
             or max_step <= 0:
-        raise ValueError(f"`max_step` must be 'auto' (default), None (unbounded, the authors' step) or a positive "
+        raise ValueError(f"`{name}` must be 'auto' (default), None (unbounded, the authors' step) or a positive "
                          f"finite number, got {max_step!r}. Fix: use 'auto', or e.g. max_step=1.0.")
 
 
@@ -103,12 +103,12 @@ def auto_max_step(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> float:
         >>> round(auto_max_step(x, (torch.tensor(-1.0), torch.tensor(1.0))), 2)
         1.12
     """
-    sample = x[:1]
+    sample, dtype = x[:1], torch.promote_types(x.dtype, torch.float32)  # (a float64 solve stays float64)
     if bounds is not None:
         width = (bounds[1] - bounds[0]).expand_as(sample)
-        diagonal = float(width.float().pow(2).sum().sqrt())
+        diagonal = float(width.to(dtype).pow(2).sum().sqrt())
     else:
-        flat = x.detach().float().flatten(1)
+        flat = x.detach().to(dtype).flatten(1)
         diagonal = AUTO_BOX_STDS * float(flat.var(dim=0, unbiased=False).sum().sqrt()) if flat.shape[0] > 1 else 0.0
         if diagonal <= 0.0:
             diagonal = float(flat.norm(dim=1).mean())
@@ -125,11 +125,11 @@ def auto_max_step_tensor(x: Tensor, bounds: tuple[Tensor, Tensor] | None) -> Ten
         >>> round(float(auto_max_step_tensor(x, (torch.tensor(-1.0), torch.tensor(1.0)))), 2)
         1.12
     """
-    sample = x[:1]
+    sample, dtype = x[:1], torch.promote_types(x.dtype, torch.float32)
     if bounds is not None:
         width = (bounds[1] - bounds[0]).expand_as(sample)
-        return AUTO_MAX_STEP_FRACTION * width.float().pow(2).sum().sqrt()
-    flat = x.detach().float().flatten(1)
+        return AUTO_MAX_STEP_FRACTION * width.to(dtype).pow(2).sum().sqrt()
+    flat = x.detach().to(dtype).flatten(1)
     spread = AUTO_BOX_STDS * flat.var(dim=0, unbiased=False).sum().sqrt() if flat.shape[0] > 1 \
         else flat.new_zeros(())
     # the same fallbacks as auto_max_step, chosen on the device

@@ -43,23 +43,24 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def output_to_logits(output: Any) -> Tensor:
+#: The fix for a non-tensor output where the caller passes the function (lpa3_attack's ``logits_fn``).
+LOGITS_FN_FIX = ("pass `logits_fn=` (a callable mapping the model output to logits, e.g. `lambda out: out['logits']`), "
+                 "or make the model return the logits")
+
+
+def output_to_logits(output: Any, fix: str = LOGITS_FN_FIX) -> Tensor:
     """Return the logits tensor of a model output, refusing anything ambiguous.
 
     Args:
         output: what ``model(x)`` returned.
+        fix: the remedy the message names (the caller's way of mapping an output to logits).
 
     Raises:
         TypeError: if the output is not a tensor.
     """
     if isinstance(output, Tensor):
         return output
-    raise TypeError(
-        f"The model returned {type(output).__name__}, but LP-A3 needs the logits tensor. "
-        "Fix: pass `logits_fn=` (a callable mapping the model output to logits, e.g. "
-        "`lambda out: out['logits']`), override `lpa3_logits(output)` in a LightningModule using "
-        "LPA3Callback, or make forward() return the logits."
-    )
+    raise TypeError(f"The model returned {type(output).__name__}, but LP-A3 needs the logits tensor. Fix: {fix}.")
 
 
 def first_tensor(output: Any) -> Tensor | None:

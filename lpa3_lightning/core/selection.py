@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from lpa3_lightning.core.arguments import check_choice
+
 __all__ = [
     "check_initial_selection", "check_ratio", "check_threshold_rule", "random_selection", "select_below_threshold",
     "selected_count", "selection_threshold",
@@ -43,18 +45,14 @@ def selected_count(num_samples: int, ratio: float) -> int:
     return min(num_samples, max(1, int(math.floor(ratio * num_samples + 0.5))))
 
 
-def check_initial_selection(initial_selection: str) -> None:
-    """Raise a ValueError naming ``initial_selection`` unless it is ``"random"`` or ``"all"``."""
-    if initial_selection not in ("random", "all"):
-        raise ValueError(f"`initial_selection` must be 'random' or 'all', got {initial_selection!r}. "
-                         "Fix: use 'random' ('all' is the authors' choice).")
+def check_initial_selection(initial_selection: str, name: str = "initial_selection") -> None:
+    """Raise a ValueError naming ``name`` unless ``initial_selection`` is ``"random"`` or ``"all"``."""
+    check_choice(initial_selection, ("random", "all"), name, "use 'random' ('all' is the authors' choice).")
 
 
-def check_threshold_rule(rule: str) -> None:
-    """Raise a ValueError naming ``threshold_rule`` unless it is ``"count"`` or ``"authors"``."""
-    if rule not in ("count", "authors"):
-        raise ValueError(f"`threshold_rule` must be 'count' (select round(ratio * N)) or 'authors', got {rule!r}. "
-                         "Fix: use 'count'.")
+def check_threshold_rule(rule: str, name: str = "threshold_rule") -> None:
+    """Raise a ValueError naming ``name`` unless ``rule`` is ``"count"`` (select round(ratio * N)) or ``"authors"``."""
+    check_choice(rule, ("count", "authors"), name, "use 'count' (select round(ratio * N)).")
 
 
 def selection_threshold(scores: Tensor, ratio: float, rule: str = "count") -> Tensor:

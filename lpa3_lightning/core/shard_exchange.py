@@ -7,9 +7,10 @@ compute any row's owner without asking.
 
 Per training step (``S`` processes, ``B`` rows per process, ``C`` classes):
 
-1. :func:`gather_row_facts`: one all-gather of each row's index, finiteness and label (24
-   bytes a row, every rank receives ``S * B`` rows), after the usual 8-byte size exchange.
-   Every rank now knows which rows are applied (first occurrence, finite, not yet this epoch).
+1. :func:`~lpa3_lightning.core.distributed.gather_padded`: one all-gather of each row's index,
+   finiteness and label (24 bytes a row, every rank receives ``S * B`` rows), after the usual
+   8-byte size exchange. Every rank now knows which rows are applied (first occurrence, finite,
+   not yet this epoch).
 2. :func:`route_to_owners`: one all-to-all sends each applied row's ``C`` float32
    probabilities to its owner only, so a rank receives about ``B * 4C`` bytes whatever ``S`` is
    (the replicated memory's all-gather makes it ``S * B * 4C``).
@@ -26,10 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lpa3_lightning.core.distributed import _all_gather_padded, communication_device, gathered_sizes, is_distributed
+from lpa3_lightning.core.distributed import communication_device, is_distributed
 
-__all__ = ["assemble_on_first", "check_shards", "gather_row_facts", "owned_rows", "route_to_owners",
-           "sum_over_shards"]
+__all__ = ["assemble_on_first", "check_group", "check_shards", "owned_rows", "route_to_owners", "sum_over_shards"]
 
 #: Rows per chunk when the shards are gathered for a checkpoint (bounds the transient memory).
 ASSEMBLE_CHUNK_BYTES = 64 * 2**20
@@ -62,7 +62,8 @@ def check_shards(num_samples: int, num_shards: int, shard: int) -> None:
         raise ValueError(f"`shard` must be in 0..{num_shards - 1} (the global rank), got {shard!r}.")
 
 
-def _check_group(num_shards: int) -> None:
+def check_group(num_shards: int) -> None:
+    """Refuse a sharded memory's collective in a process group of another size, naming the fix."""
     world = dist.get_world_size() if is_distributed() else 1
     if world != num_shards:
         raise RuntimeError(
@@ -72,31 +73,13 @@ def _check_group(num_shards: int) -> None:
         )
 
 
-def gather_row_facts(indices: Tensor, finite: Tensor, targets: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None,
-                                                                                         list[int]]:
-    """Every rank's ``(indices, finite, targets)`` of this step, in rank order, and each rank's row count.
-
-    Duplicates are kept (the caller marks the first occurrences): the positions must stay aligned
-    with the ranks' batches for :func:`route_to_owners`. Collective; outside a process group the
-    inputs come back with ``[len(indices)]``.
-    """
-    if not is_distributed():
-        return indices, finite, targets, [int(indices.shape[0])]
-    home, device = indices.device, communication_device()
-    columns = [indices.long(), finite.long()] + ([] if targets is None else [targets.long()])
-    packed = torch.stack([c.to(device) for c in columns], dim=1)  # one all-gather for all three
-    sizes = gathered_sizes(packed.shape[0], device)
-    every = _all_gather_padded(packed, sizes).to(home)
-    return every[:, 0], every[:, 1].bool(), None if targets is None else every[:, 2], sizes
-
-
 def route_to_owners(probs: Tensor, every_index: Tensor, apply: Tensor, sizes: list[int], num_shards: int,
                     shard: int) -> Tensor:
     """The probabilities of the applied rows this shard owns, in the gathered (rank) order.
 
     Args:
         probs: ``(B, C)`` this rank's rows (float32).
-        every_index: ``(sum(sizes),)`` every rank's indices, as :func:`gather_row_facts` returns them.
+        every_index: ``(sum(sizes),)`` every rank's indices, in rank order.
         apply: ``(sum(sizes),)`` which gathered rows update the memory (the same on every rank).
         sizes: rows per rank.
         num_shards: the world size.
@@ -109,11 +92,11 @@ def route_to_owners(probs: Tensor, every_index: Tensor, apply: Tensor, sizes: li
         raise ValueError(
             f"`every_index` and `apply` must have one entry per gathered row ({sum(sizes)}) and `probs` this rank's "
             f"{sizes[shard]} rows; got {tuple(every_index.shape)}, {tuple(apply.shape)} and {tuple(probs.shape)}. Fix: "
-            "pass what gather_row_facts returned, with the probabilities of the rows this rank gave it."
+            "pass every rank's gathered indices, with the probabilities of the rows this rank gave."
         )
     if num_shards == 1:
         return probs[apply.to(probs.device)]
-    _check_group(num_shards)
+    check_group(num_shards)
     owners = torch.remainder(every_index, num_shards)
     start = sum(sizes[:shard])
     mine_apply, mine_owner = apply[start:start + sizes[shard]], owners[start:start + sizes[shard]]
@@ -134,7 +117,7 @@ def sum_over_shards(t: Tensor, num_shards: int) -> Tensor:
     """``t`` summed over the processes (each position non-zero on its owner alone: exact)."""
     if num_shards == 1:
         return t
-    _check_group(num_shards)
+    check_group(num_shards)
     device = communication_device()
     total = t.to(device).clone()
     dist.all_reduce(total)
@@ -144,13 +127,13 @@ def sum_over_shards(t: Tensor, num_shards: int) -> Tensor:
 def assemble_on_first(local_rows: Tensor, num_samples: int, num_shards: int, shard: int) -> Tensor | None:
     """The whole memory ``(num_samples, C)`` on the CPU of rank 0, from every shard's rows; None elsewhere.
 
-    Collective (every rank must call it, as Lightning does when it saves a checkpoint); gathered in
+    Collective (every rank must call it, as LPA3Callback does inside Lightning's checkpointing); gathered in
     chunks of about :data:`ASSEMBLE_CHUNK_BYTES` over all ranks together, so the transient memory
     on rank 0 (and its GPU, with NCCL) stays bounded whatever the world size.
     """
     if num_shards == 1:
         return local_rows.cpu()
-    _check_group(num_shards)
+    check_group(num_shards)
     device = communication_device()
     longest, classes = owned_rows(num_samples, num_shards, 0), local_rows.shape[1]
     chunk = max(1, ASSEMBLE_CHUNK_BYTES // max(1, num_shards * classes * local_rows.element_size()))

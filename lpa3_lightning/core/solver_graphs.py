@@ -12,11 +12,11 @@ change is a shape or an address, so this module
 
 * pads the rows to a multiple of ``bucket`` (a batch of 37 selected rows runs the graph of 40);
   the padding rows are copies of the first row, every row's output depends on that row alone
-  in both of the solver's BatchNorm modes (eval, frozen twin statistics), and the loss's batch
+  in every solver BatchNorm mode (eval, frozen batch statistics), and the loss's batch
   mean is taken over the real rows (weights 1/n, 0 on padding: the authors' mean scales each
   row's gradient by 1/N before a normalisation that adds 1e-8, so N must not change), so
   padding changes no real row's ``x'``;
-* copies each call's inputs (rows, labels, initial noise, input bounds, step bound, frozen twin
+* copies each call's inputs (rows, labels, initial noise, input bounds, step bound, frozen batch
   statistics) into buffers that live as long as the graph, and the real rows of the outputs out;
 * captures again when a parameter or buffer of the model moved to other memory (a graph reads
   the addresses it was captured with: ``load_state_dict`` copies in place and is fine, ``.to()``
@@ -44,15 +44,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lpa3_lightning.core.dual_bn import TwinStatistics
+from lpa3_lightning.core.batch_statistics import BatchStatistics
 
 __all__ = ["SolverGraphs"]
 
 #: The solve's outputs, each with one row (or value) per sample: x', log p(y|x), log p(y|x'),
 #: the perceptual distance and whether the final iterate was pulled back.
 SolveOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-#: Enters the solver's forward mode with the given frozen twin statistics (or None).
-SolverContext = Callable[[TwinStatistics | None], contextlib.AbstractContextManager[Any]]
+#: Enters the solver's forward mode with the given frozen batch statistics (or None).
+SolverContext = Callable[[BatchStatistics | None], contextlib.AbstractContextManager[Any]]
 
 
 @dataclass
@@ -64,13 +64,13 @@ class _Buffers:
     noise: Tensor
     bounds: tuple[Tensor, Tensor] | None
     step_bound: Tensor | float | None
-    twin: TwinStatistics | None
+    twin: BatchStatistics | None
     row_weights: Tensor
     graph: Any = None
     outputs: SolveOutputs | None = None
 
     def fill(self, x: Tensor, y: Tensor, noise: Tensor, bounds: tuple[Tensor, Tensor] | None,
-             step_bound: Tensor | float | None, twin: TwinStatistics | None) -> None:
+             step_bound: Tensor | float | None, twin: BatchStatistics | None) -> None:
         """Copy one call's values in; rows past ``x``'s repeat its first row (no host read)."""
         n = x.shape[0]
         for buffer, value in ((self.x, x), (self.y, y), (self.noise, noise)):
@@ -147,7 +147,7 @@ class SolverGraphs:
 
     def solve(self, rows: Callable[..., SolveOutputs], x: Tensor, y: Tensor, noise: Tensor,
               bounds: tuple[Tensor, Tensor] | None, step_bound: Tensor | float | None, context: SolverContext,
-              twin_statistics: TwinStatistics | None, model: nn.Module, key: Hashable) -> SolveOutputs:
+              twin_statistics: BatchStatistics | None, model: nn.Module, key: Hashable) -> SolveOutputs:
         """Run ``rows`` (the solver's loop) on ``x`` padded to its bucket; the outputs' real rows.
 
         Args:
@@ -156,8 +156,8 @@ class SolverGraphs:
             x, y, noise: the rows to solve, their labels and their initial noise.
             bounds: the input box as tensors, or None.
             step_bound: the step bound (a tensor is copied per call; a number is part of the key).
-            context: enters the solver's forward mode with the frozen twin statistics it is given.
-            twin_statistics: the frozen twin statistics of the real rows (twin mode), else None.
+            context: enters the solver's forward mode with the frozen batch statistics it is given.
+            twin_statistics: the frozen batch statistics of the real rows (twin and batch mode), else None.
             model: the network (its parameters' and buffers' addresses are checked per call).
             key: everything else the loop bakes in (settings, BN mode, layers).
         """
@@ -194,7 +194,7 @@ class SolverGraphs:
 
     @staticmethod
     def _allocate(x: Tensor, y: Tensor, noise: Tensor, bounds: tuple[Tensor, Tensor] | None,
-                  step_bound: Tensor | float | None, twin: TwinStatistics | None, size: int) -> _Buffers:
+                  step_bound: Tensor | float | None, twin: BatchStatistics | None, size: int) -> _Buffers:
         def rows_of(t: Tensor) -> Tensor:
             return t.new_empty((size, *t.shape[1:]))
 
@@ -202,7 +202,7 @@ class SolverGraphs:
             x=rows_of(x), y=rows_of(y), noise=rows_of(noise),
             bounds=None if bounds is None else (bounds[0].detach().clone(), bounds[1].detach().clone()),
             step_bound=_clone_or_none(step_bound),
-            twin=None if twin is None else TwinStatistics(
+            twin=None if twin is None else BatchStatistics(
                 [None if v is None else (v[0].detach().clone(), v[1].detach().clone()) for v in twin.values]),
             row_weights=torch.zeros(size, device=x.device, dtype=x.dtype),
         )

@@ -20,8 +20,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lpa3_lightning.core.shard_exchange import assemble_on_first, check_shards, owned_rows, sum_over_shards
-from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
+from lpa3_lightning.core.distributed import exchange_sizes, gather_padded
+from lpa3_lightning.core.shard_exchange import (
+    assemble_on_first,
+    check_group,
+    check_shards,
+    owned_rows,
+    route_to_owners,
+    sum_over_shards,
+)
+from lpa3_lightning.core.tcs import StepRows, TimeConsistency, tcs_divergence
 
 __all__ = ["ShardedTimeConsistency"]
 
@@ -38,97 +46,74 @@ class ShardedTimeConsistency(TimeConsistency):
         **kwargs: the other arguments of :class:`~lpa3_lightning.core.tcs.TimeConsistency`
             (``storage_dtype`` included).
 
-    :meth:`update` and :meth:`state_dict` are collectives when ``num_shards > 1``: every process
-    calls them at the same point. ``memory`` holds this shard's rows (local row ``j`` is dataset
-    index ``j * num_shards + shard``). :meth:`state_dict` assembles the whole memory on shard 0
-    (None on the others), so a checkpoint loads into any world size, replicated or sharded.
+    :meth:`update`, :meth:`full_memory` and :meth:`state_dict` are collectives when
+    ``num_shards > 1``: every process calls them at the same point. :attr:`local_rows` holds this
+    shard's stored predictions (local row ``j`` is dataset index ``j * num_shards + shard``); there
+    is no ``memory`` attribute, whose rows would mean other samples than a replicated memory's.
+    :meth:`state_dict` assembles the whole memory on shard 0 (None on the others), so a checkpoint
+    loads into any world size, replicated or sharded.
 
     Example:
         >>> tcs = ShardedTimeConsistency(10, 3, ratio=0.5, num_shards=4, shard=1)
-        >>> tcs.memory.shape  # indices 1, 5 and 9
+        >>> tcs.local_rows.shape  # indices 1, 5 and 9
         torch.Size([3, 3])
     """
 
     def __init__(self, num_samples: int, num_classes: int, ratio: float, *, num_shards: int, shard: int,
                  **kwargs: Any) -> None:
-        if not isinstance(num_samples, int) or num_samples < 1:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int (the training set size), got {num_samples!r}.")
         check_shards(num_samples, num_shards, shard)
         self.num_shards, self.shard = num_shards, shard
         self.owned = owned_rows(num_samples, num_shards, shard)
         super().__init__(num_samples, num_classes, ratio, **kwargs)
 
-    def _initial_rows(self, rows: int, device: torch.device) -> Tensor:
-        return super()._initial_rows(self.owned, device)
+    def _stored_rows(self) -> int:
+        return self.owned
 
-    def update(self, indices: Tensor, probs: Tensor, targets: Tensor | None = None, keep: Tensor | None = None,
-               check_values: bool = True) -> Tensor:
-        """The replicated memory's update, from the same rows on every shard (e.g. after
-        :func:`~lpa3_lightning.core.distributed.gather_predictions`); each shard stores its own.
+    @property
+    def memory(self) -> Tensor:  # type: ignore[override]
+        raise AttributeError(
+            f"A sharded TCS memory keeps on each process only the rows it owns: `local_rows` (row j = dataset index "
+            f"j * {self.num_shards} + {self.shard}). The whole memory in index order: `full_memory()` (a collective, "
+            "assembled on shard 0)."
+        )
 
-        The kept rows' indices must be distinct. Returns the ``(B,)`` divergences.
-        """
-        indices = self._check_indices(indices, values=check_values)
-        self._check_probs(indices, probs)
-        keep = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep.to(self.device)
-        mine = keep & (torch.remainder(indices, self.num_shards) == self.shard)
-        return self.update_owned(indices, keep, probs.detach().to(self.device)[mine], targets)
+    @property
+    def local_rows(self) -> Tensor:
+        """``(owned, C)`` this shard's stored predictions (local row ``j`` = dataset index ``j * num_shards + shard``)."""
+        return self._rows[: self.owned]
 
-    def update_owned(self, indices: Tensor, keep: Tensor, owned_probs: Tensor, targets: Tensor | None = None
-                     ) -> Tensor:
-        """Apply the kept rows of a step that every shard knows the indices of, each shard
-        passing the probabilities of the kept rows it owns.
+    def _gather(self, indices: Tensor, probs: Tensor, targets: Tensor | None, abort: bool) -> StepRows | None:
+        """Every process's indices, finiteness and labels; the probabilities stay here (they travel
+        to their owners only, in :meth:`_score_rows`)."""
+        check_group(self.num_shards)
+        finite = torch.isfinite(probs).all(dim=1)
+        sizes = exchange_sizes(int(indices.numel()), abort)
+        if abort:
+            return None
+        every = gather_padded([indices, finite.long()] + ([] if targets is None else [targets]), sizes)
+        return StepRows(every[0], every[1].bool(), None if targets is None else every[2], probs, sizes)
 
-        Args:
-            indices: ``(B,)`` in-range dataset indices, the same on every shard.
-            keep: ``(B,)`` the rows to apply (distinct indices), the same on every shard.
-            owned_probs: ``(K, C)`` the probabilities of ``keep & (indices % num_shards == shard)``, in order
-                (:func:`~lpa3_lightning.core.shard_exchange.route_to_owners` delivers them).
-            targets: optional ``(B,)`` labels (``divergence="paper"`` only).
-
-        Returns:
-            ``(B,)`` divergences (zero where not kept).
-        """
-        indices, keep = indices.to(self.device, torch.long), keep.to(self.device)
-        positions = (keep & (torch.remainder(indices, self.num_shards) == self.shard)).nonzero().squeeze(1)
-        if owned_probs.shape != (positions.numel(), self.num_classes):
-            raise ValueError(f"`owned_probs` must have shape ({positions.numel()}, {self.num_classes}) (the kept rows "
-                             f"this shard owns), got {tuple(owned_probs.shape)}.")
-        rows = torch.div(indices[positions], self.num_shards, rounding_mode="floor")
-        probs = owned_probs.to(self.device, torch.float32)
-        owned_targets = None if targets is None else targets.to(self.device)[positions]
-        divergence = torch.zeros(indices.shape[0], device=self.device)
-        divergence[positions] = tcs_divergence(self.memory[rows].float(), probs, owned_targets, self.divergence)
-        divergence = sum_over_shards(divergence, self.num_shards)  # each row's value from its owner
-        applied = keep.nonzero().squeeze(1)
-        kept = indices[applied]
-        self.scores[kept] = tcs_update(self.scores[kept], divergence[applied], self.gamma)
-        self.seen[kept] = True
-        self.memory[rows] = probs.to(self.storage_dtype)
-        return divergence
+    def _score_rows(self, every: StepRows, index: Tensor, keep: Tensor) -> Tensor:
+        """Each kept row scored on its owner, from its stored prediction, and summed over the shards
+        (each value comes from one owner, the others add zeros: exact)."""
+        owned = route_to_owners(every.probs, index, keep, every.sizes, self.num_shards, self.shard)
+        positions = (keep & (torch.remainder(index, self.num_shards) == self.shard)).nonzero().squeeze(1)
+        rows = torch.div(index[positions], self.num_shards, rounding_mode="floor")
+        targets = None if every.targets is None else every.targets[positions]
+        divergence = torch.zeros(index.shape[0], device=self.device)
+        divergence[positions] = tcs_divergence(self._rows[rows].float(), owned, targets, self.divergence)
+        self._rows[rows] = owned.to(self.storage_dtype)
+        return sum_over_shards(divergence, self.num_shards)
 
     def full_memory(self) -> Tensor | None:
         """Every sample's stored prediction, assembled on shard 0 (collective); None on the others."""
-        return assemble_on_first(self.memory, self.num_samples, self.num_shards, self.shard)
+        return assemble_on_first(self.local_rows, self.num_samples, self.num_shards, self.shard)
 
-    def adopt(self, other: TimeConsistency) -> None:
-        """Take over an earlier fit's memory: a shard of the same layout directly (no
-        collective), a replicated one by keeping this shard's rows."""
-        if not isinstance(other, ShardedTimeConsistency):
-            super().adopt(other)
-            return
-        if (other.num_samples, other.num_classes, other.num_shards, other.shard) != (
-                self.num_samples, self.num_classes, self.num_shards, self.shard):
-            raise ValueError(
-                f"The earlier fit's TCS memory was shard {other.shard} of {other.num_shards} for {other.num_samples} x "
-                f"{other.num_classes}; this fit's is shard {self.shard} of {self.num_shards} for {self.num_samples} x "
-                f"{self.num_classes}. Fix: save a checkpoint and resume from it (a checkpoint holds the whole memory "
-                "and loads into any world size)."
-            )
-        self.memory = other.memory.to(self.device, self.storage_dtype, copy=True)
-        self.scores = other.scores.to(self.device, copy=True)
-        self.seen = other.seen.to(self.device, copy=True)
-        self.threshold = other.threshold.to(self.device, copy=True)
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without the stored predictions (``memory`` None): no collective."""
+        return self._state(None)
 
-    def _load_rows(self, memory: Tensor, copy: bool) -> None:
-        self.memory = memory[self.shard::self.num_shards].to(self.device, self.storage_dtype, copy=True)
+    def _load_rows(self, memory: Tensor) -> None:
+        self._rows[: self.owned] = memory[self.shard::self.num_shards].to(self.device, self.storage_dtype)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from lpa3_lightning.data.indexed import IndexedDataset, to_class_label
-from lpa3_lightning.data.resumable import ResumableDataLoader
+from lpa3_lightning.data.train_loader import train_loader
 
 __all__ = ["EMBEDDED_DATA_DIR", "MedMNISTDataModule", "SUPPORTED_FLAGS"]
 
@@ -96,10 +96,10 @@ class MedMNISTDataModule(pl.LightningDataModule):
         randaugment_num_ops: Number of RandAugment operations per image.
         randaugment_magnitude: RandAugment magnitude, in ``[0, 30]``.
         pin_memory: Passed to every ``DataLoader``.
-        resumable: Train with :class:`ResumableDataLoader` (a ``(seed, epoch)`` shuffle that
-            resumes mid-epoch exactly after a crash; under DDP it shards each epoch as
-            ``DistributedSampler`` does).
-        seed: Shuffle seed of the resumable loader.
+        seed: Shuffle seed of the training loader (a ``(seed, epoch)`` permutation; under DDP
+            sharded as ``DistributedSampler`` shards it). The training loader is torchdata's
+            ``StatefulDataLoader`` (:func:`~lpa3_lightning.data.train_loader.train_loader`):
+            Lightning checkpoints its position, so a run resumes exactly, mid-epoch included.
 
     Raises:
         ValueError: For an unknown, 3D or multi-label flag, or an argument
@@ -123,7 +123,6 @@ class MedMNISTDataModule(pl.LightningDataModule):
         randaugment_num_ops: int = 3,
         randaugment_magnitude: int = 5,
         pin_memory: bool = False,
-        resumable: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -166,7 +165,6 @@ class MedMNISTDataModule(pl.LightningDataModule):
         self.randaugment_num_ops = randaugment_num_ops
         self.randaugment_magnitude = randaugment_magnitude
         self.pin_memory = bool(pin_memory)
-        self.resumable = bool(resumable)
         self.seed = seed
         self._root_is_embedded = root is None
 
@@ -287,11 +285,11 @@ class MedMNISTDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = self._require(self.train_dataset, "train", "fit")
-        if self.resumable:
-            return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=True, seed=self.seed,
-                                       num_workers=self.num_workers, pin_memory=self.pin_memory,
-                                       persistent_workers=self.num_workers > 0)
-        return self._loader(dataset, self.batch_size, shuffle=True)
+        trainer = self.trainer
+        return train_loader(dataset, self.batch_size, seed=self.seed,
+                            num_replicas=trainer.world_size if trainer is not None else 1,
+                            rank=trainer.global_rank if trainer is not None else 0, num_workers=self.num_workers,
+                            pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._require(self.val_dataset, "val", "fit"), self.eval_batch_size, shuffle=False)

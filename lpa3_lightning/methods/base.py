@@ -248,7 +248,8 @@ class LPA3ModuleMixin:
         The default accepts a tensor and refuses anything else with a message; override,
         e.g. ``return output["logits"]`` or ``return output[0]`` or ``return output.logits``.
         """
-        return output_to_logits(output)
+        return output_to_logits(output, fix=f"override `lpa3_logits(output)` in {type(self).__name__} to return the "
+                                            "(N, classes) logits, e.g. `return output[0]` or `return output['logits']`")
 
     def lpa3_set_augmented(self, augmented: AugmentedBatch | None, network: str | None = None) -> None:
         """Called by the callback before ``training_step`` with this batch's hard positives."""

@@ -15,7 +15,7 @@ import lpa3_lightning.callback.augment_stage as lpa3_lightning_callback
 from lpa3_lightning import LPA3Callback, TimeConsistency
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import SupervisedLPA3Mixin
-from tests.helpers import indexed_images, small_cnn, snapshot
+from tests.helpers import GlobalRandomState, indexed_images, lpa3_state, small_cnn, snapshot
 
 
 class TinyClassifier(SupervisedLPA3Mixin, pl.LightningModule):
@@ -80,7 +80,7 @@ def test_fit_runs_the_whole_data_path(tmp_path):
     trainer = _trainer(tmp_path, [callback], max_epochs=3)
     trainer.fit(module, _loader())
 
-    tcs = callback.tcs
+    tcs = callback.runner().tcs
     assert tcs is not None and tcs.num_samples == 48 and tcs.num_classes == 3
     assert bool(tcs.seen.all())
     assert tcs.has_threshold
@@ -128,7 +128,7 @@ def test_warmup_epochs_skip_augmentation_but_update_tcs(tmp_path):
     trainer.fit(module, _loader())
     assert module.seen_augmented[:3] == [0, 0, 0]
     assert sum(module.seen_augmented[3:]) > 0
-    assert bool(callback.tcs.seen.all())
+    assert bool(callback.runner().tcs.seen.all())
 
 
 def test_callback_never_moves_main_bn_statistics_during_the_attack(tmp_path):
@@ -161,8 +161,8 @@ class RecordsStartState(LPA3Callback):
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
-        self.start_state = self.tcs.state_dict()
-        self.start_written = None if self.cache is None else self.cache.written.clone()
+        self.start_state = self.runner().tcs.state_dict()
+        self.start_written = None if self.runner().store is None else self.runner().store.written.clone()
         self.x_prime: dict[int, list[torch.Tensor]] = {}
 
     def on_augmented(self, trainer, pl_module, augmented):
@@ -172,27 +172,29 @@ class RecordsStartState(LPA3Callback):
 def test_resume_restores_tcs_and_the_solver_noise_then_keeps_training(tmp_path):
     # a resumable loader: a plain DataLoader's order and its draw from the global generator are not
     # part of a checkpoint (tests/test_resume.py: the whole run bitwise)
-    from lpa3_lightning.data import ResumableDataLoader
+    from lpa3_lightning.data import train_loader
 
     def loader():
-        return ResumableDataLoader(indexed_images(48), batch_size=16, shuffle=True, seed=0)
+        return train_loader(indexed_images(48), batch_size=16, seed=0)
 
+    # the model has dropout: the run keeps torch's global generator itself (the callback never touches it)
     pl.seed_everything(0)
     uninterrupted = RecordsStartState(ratio=0.5, steps=1, seed=0)
-    _trainer(tmp_path / "full", [uninterrupted], max_epochs=3, deterministic=True).fit(TinyClassifier(), loader())
+    _trainer(tmp_path / "full", [uninterrupted, GlobalRandomState()], max_epochs=3,
+             deterministic=True).fit(TinyClassifier(), loader())
 
     pl.seed_everything(0)
-    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
-    trainer = _trainer(tmp_path, [callback], max_epochs=2, deterministic=True)
+    callback = RecordsStartState(ratio=0.5, steps=1, seed=0)  # (the class resumed below: its checkpoint key)
+    trainer = _trainer(tmp_path, [callback, GlobalRandomState()], max_epochs=2, deterministic=True)
     trainer.fit(TinyClassifier(), loader())
     ckpt = tmp_path / "epoch2.ckpt"
     trainer.save_checkpoint(ckpt)
-    saved = torch.load(ckpt, weights_only=False)["callbacks"][callback.state_key]
-    torch.testing.assert_close(saved["tcs"]["memory"], callback.tcs.memory)
+    saved = lpa3_state(ckpt)
+    torch.testing.assert_close(saved["tcs"]["memory"], callback.runner().tcs.memory)
 
     resumed = RecordsStartState(ratio=0.5, steps=1, seed=0)
     module2 = TinyClassifier()
-    trainer2 = _trainer(tmp_path, [resumed], max_epochs=3, deterministic=True)
+    trainer2 = _trainer(tmp_path, [resumed, GlobalRandomState()], max_epochs=3, deterministic=True)
     trainer2.fit(module2, loader(), ckpt_path=ckpt)
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(resumed.start_state[key], saved["tcs"][key]), key
@@ -203,7 +205,7 @@ def test_resume_restores_tcs_and_the_solver_noise_then_keeps_training(tmp_path):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     # the third epoch ran with the restored threshold: about half selected, not everything
     assert 0 < sum(module2.seen_augmented) < 48
-    assert not torch.equal(resumed.tcs.scores, saved["tcs"]["scores"])
+    assert not torch.equal(resumed.runner().tcs.scores, saved["tcs"]["scores"])
 
 
 def test_attack_through_the_twin_in_a_trainer(tmp_path):
@@ -218,7 +220,7 @@ def test_attack_through_the_twin_in_a_trainer(tmp_path):
     assert sum(module.seen_augmented) > 0
 
 
-def test_auto_attack_mode_picks_twin_only_when_present(tmp_path, monkeypatch):
+def test_auto_attack_mode_picks_twin_then_the_models_own_batchnorms_then_eval(tmp_path, monkeypatch):
     import lpa3_lightning.callback.augment_stage as callback_module
 
     seen_modes = []
@@ -232,7 +234,10 @@ def test_auto_attack_mode_picks_twin_only_when_present(tmp_path, monkeypatch):
     for twin in (True, False):
         _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1, limit_train_batches=1).fit(
             TinyClassifier(twin_bn=twin), _loader())
-    assert seen_modes == ["twin", "eval"]
+    no_batchnorm = TinyClassifier(twin_bn=False)
+    no_batchnorm.model = nn.Sequential(*[m for m in no_batchnorm.model if not isinstance(m, nn.BatchNorm2d)])
+    _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1, limit_train_batches=1).fit(no_batchnorm, _loader())
+    assert seen_modes == ["twin", "batch", "eval"]
 
 
 def test_a_lone_selected_sample_is_dropped_for_batch_statistics(tmp_path):
@@ -245,10 +250,10 @@ def test_a_lone_selected_sample_is_dropped_for_batch_statistics(tmp_path):
     class SelectOne(LPA3Callback):
         def on_train_start(self, trainer, pl_module):
             super().on_train_start(trainer, pl_module)
-            self.tcs.scores[:] = 0.0
-            self.tcs.scores[0] = -1.0  # only sample 0 below the threshold
-            self.tcs.seen[:] = True
-            self.tcs.threshold = torch.tensor(-0.5)
+            self.runner().tcs.scores[:] = 0.0
+            self.runner().tcs.scores[0] = -1.0  # only sample 0 below the threshold
+            self.runner().tcs.seen[:] = True
+            self.runner().tcs.threshold = torch.tensor(-0.5)
 
     module = BN1dClassifier()
     trainer = _trainer(tmp_path, [SelectOne(steps=1)], max_epochs=1)
@@ -274,18 +279,19 @@ def test_a_16_bit_sharded_memory_resumes_into_a_replicated_float32_one(tmp_path)
     """One process can run the sharded layout too (one shard); its checkpoint holds the whole
     memory in its storage dtype and resumes into another layout and dtype."""
     pl.seed_everything(0)
-    callback = LPA3Callback(ratio=0.5, steps=1, selection={"memory_layout": "sharded", "memory_dtype": "bfloat16"})
+    callback = RecordsStartState(ratio=0.5, steps=1, selection={"memory_layout": "sharded", "memory_dtype": "bfloat16"})
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(TinyClassifier(), _loader(48))
-    assert type(callback.tcs).__name__ == "ShardedTimeConsistency" and callback.tcs.memory.dtype == torch.bfloat16
+    assert type(callback.runner().tcs).__name__ == "ShardedTimeConsistency"
+    assert callback.runner().tcs.local_rows.dtype == torch.bfloat16
     ckpt = tmp_path / "half.ckpt"
     trainer.save_checkpoint(ckpt)
-    saved = torch.load(ckpt, weights_only=False)["callbacks"]["LPA3Callback"]["tcs"]
+    saved = lpa3_state(ckpt)["tcs"]
     assert saved["memory"].shape == (48, 3) and saved["memory"].dtype == torch.bfloat16
     assert saved["storage_dtype"] == "bfloat16"
     resumed = RecordsStartState(ratio=0.5, steps=1, selection={"memory_layout": "replicated"})
     _trainer(tmp_path, [resumed], max_epochs=2).fit(TinyClassifier(), _loader(48), ckpt_path=ckpt)
-    assert type(resumed.tcs) is TimeConsistency and resumed.tcs.memory.dtype == torch.float32
+    assert type(resumed.runner().tcs) is TimeConsistency and resumed.runner().tcs.memory.dtype == torch.float32
     assert torch.equal(resumed.start_state["memory"], saved["memory"].float())  # the rows as stored, widened
     assert torch.equal(resumed.start_state["scores"], saved["scores"])
 
@@ -311,42 +317,13 @@ def test_a_16_bit_sharded_memory_resumes_into_a_replicated_float32_one(tmp_path)
         ({"cache": {"regenerate_every_n_epochs": 0}}, "cache.regenerate_every_n_epochs"),
         ({"logging": {"num_images": 0}}, "logging.num_images"),
         ({"runtime": {"sync_free": True, "cuda_graphs": 1}}, "runtime.cuda_graphs"),
-        ({"cache": {"regenerate": 2}}, "`cache` has no setting \\['regenerate'\\]"),
+        ({"cache": {"regenerate": 2}}, "`cache` has no setting `regenerate`"),
         ({"preset": "paper"}, "preset"),
     ],
 )
 def test_constructor_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LPA3Callback(**kwargs)
-
-
-@pytest.mark.parametrize("name, group, field", [("regenerate_every_n_epochs", "cache", "regenerate_every_n_epochs"),
-                                                ("cache_dir", "cache", "dir"), ("sync_free", "runtime", "sync_free"),
-                                                ("tcs_divergence", "selection", "divergence"),
-                                                ("max_step", "solver", "max_step")])
-def test_a_former_keyword_names_its_new_group(name, group, field):
-    with pytest.raises(TypeError, match=f"`{name}` moved to the `{group}` group.*{group}=.*{field}"):
-        LPA3Callback(**{name: 1})
-
-
-def test_groups_take_dataclasses_or_mappings_over_the_preset(tmp_path):
-    from lpa3_lightning.callback import CacheSettings, SolverSettings
-
-    by_class = LPA3Callback(cache=CacheSettings(regenerate_every_n_epochs=3), solver=SolverSettings(max_step=0.5))
-    by_mapping = LPA3Callback(cache={"regenerate_every_n_epochs": 3}, solver={"max_step": 0.5})
-    assert by_class.cache_settings == by_mapping.cache_settings and by_class.solver == by_mapping.solver
-    authors = LPA3Callback(preset="authors")
-    # the authors' behaviour everywhere a switch restores it (docs/method.md section 7)
-    assert (authors.solver.project, authors.solver.max_step, authors.solver.allow_tf32) == (False, None, True)
-    assert (authors.selection.initial_selection, authors.selection.threshold_rule,
-            authors.selection.initial_memory) == ("all", "authors", "authors")
-    # a mapping changes the preset's group only where it says
-    mixed = LPA3Callback(preset="authors", solver={"max_step": 1.0})
-    assert (mixed.solver.project, mixed.solver.max_step) == (False, 1.0)
-    # so does a dataclass (as LightningCLI builds a group from YAML): the fields it changes
-    by_dataclass = LPA3Callback(preset="authors", solver=SolverSettings(max_step=1.0))
-    assert by_dataclass.solver == mixed.solver
-    assert LPA3Callback(cache={"dir": tmp_path}).cache_settings.dir == str(tmp_path)  # a Path is accepted
 
 
 class NoProtocol(pl.LightningModule):
@@ -529,7 +506,7 @@ def test_batch_of_size_one_trains_without_augmentation(tmp_path):
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=4)
     trainer.fit(module, DataLoader(indexed_images(8), batch_size=1))
     assert module.seen_augmented == [0, 0, 0, 0]  # a lone selection is dropped
-    assert int(callback.tcs.seen.sum()) == 4
+    assert int(callback.runner().tcs.seen.sum()) == 4
 
 
 @pytest.mark.parametrize(
@@ -568,7 +545,7 @@ def test_gradient_accumulation_attacks_and_tracks_every_micro_batch(tmp_path):
     trainer = _trainer(tmp_path, [callback], max_epochs=2, accumulate_grad_batches=3)
     trainer.fit(module, _loader())
     assert len(module.seen_augmented) == 6 and module.seen_augmented[:3] == [16, 16, 16]
-    assert bool(callback.tcs.seen.all()) and callback.tcs.has_threshold
+    assert bool(callback.runner().tcs.seen.all()) and callback.runner().tcs.has_threshold
 
 
 # ------------------------------------------------------------------- cached augmentations
@@ -610,8 +587,8 @@ def test_regenerate_every_n_epochs_reuses_x_prime(tmp_path, monkeypatch):
     assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) == 0.0  # epoch 3 regenerated all
     ckpt = tmp_path / "c.ckpt"
     trainer.save_checkpoint(ckpt)
-    state = torch.load(ckpt, weights_only=False)["callbacks"]["LPA3Callback"]["augmentation_cache"]
-    assert torch.equal(state["storage"], callback.cache.storage) and int(state["written"].min()) == 3
+    state = lpa3_state(ckpt)["cache"]
+    assert torch.equal(state["storage"], callback.runner().store.storage) and int(state["written"].min()) == 3
 
 
 def test_cache_is_restored_on_resume(tmp_path):
@@ -626,12 +603,11 @@ def test_cache_is_restored_on_resume(tmp_path):
     _trainer(tmp_path, [resumed], max_epochs=2).fit(module, _loader(), ckpt_path=ckpt)
     # epoch 1 after resume: every x' comes from the restored cache
     for i, received in module.received.items():
-        assert torch.equal(received[0], callback.cache.get(torch.tensor([i]))[0])
+        assert torch.equal(received[0], callback.runner().store.get(torch.tensor([i]))[0])
 
 
-def test_checkpoint_of_the_first_state_version_still_resumes(tmp_path):
-    """A checkpoint written before the cache, RNG and per-epoch keys existed (version 1 state
-    with only 'tcs' and 'generator_state') resumes with its TCS memory."""
+def test_a_checkpoint_of_another_state_version_is_refused_naming_the_version(tmp_path):
+    """No migration of older states before 1.0: one message naming the version and the fix."""
     pl.seed_everything(0)
     callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
     trainer = _trainer(tmp_path, [callback], max_epochs=1)
@@ -639,14 +615,12 @@ def test_checkpoint_of_the_first_state_version_still_resumes(tmp_path):
     ckpt = tmp_path / "new.ckpt"
     trainer.save_checkpoint(ckpt)
     checkpoint = torch.load(ckpt, weights_only=False)
-    state = checkpoint["callbacks"]["LPA3Callback"]
-    checkpoint["callbacks"]["LPA3Callback"] = {"version": 1, "tcs": state["tcs"], "generator_state": None}
+    checkpoint["callbacks"][callback.state_key]["version"] = 4
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
-    resumed = RecordsStartState(ratio=0.5, steps=1, seed=0, cache={"regenerate_every_n_epochs": 2})
-    _trainer(tmp_path, [resumed], max_epochs=2).fit(TinyClassifier(), _loader(), ckpt_path=old)
-    assert torch.equal(resumed.start_state["memory"], state["tcs"]["memory"])
-    assert bool((resumed.start_written == -1).all())  # the cache starts empty
+    resumed = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    with pytest.raises(ValueError, match="LPA3Callback state of version 4; this lpa3-lightning reads version 5.*Fix"):
+        _trainer(tmp_path, [resumed], max_epochs=2).fit(TinyClassifier(), _loader(), ckpt_path=old)
 
 
 def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
@@ -656,7 +630,7 @@ def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
 
     class WatchesTheFile(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
-            path = callback.cache.file
+            path = callback.runner().store.file
             seen.append((path, path.stat().st_size if path is not None and path.exists() else None))
 
     trainer = _trainer(tmp_path, [callback, WatchesTheFile()], max_epochs=1)
@@ -665,7 +639,7 @@ def test_over_large_cache_goes_to_a_file_under_the_root_dir(tmp_path):
     assert path is not None and path.parent == tmp_path / "lpa3_cache"
     assert size == 48 * 28 * 28 * 4
     assert path.name.startswith("lpa3_augmentation_cache_")
-    assert not path.exists() and callback.cache.file is None  # deleted at the end of fit
+    assert not path.exists() and callback.runner().store.file is None  # deleted at the end of fit
 
 
 def test_the_cache_file_is_deleted_when_the_fit_fails(tmp_path):
@@ -689,8 +663,8 @@ def test_checkpoints_hold_no_cache_copy_unless_asked(tmp_path):
         trainer = _trainer(tmp_path / str(asked), [callback], max_epochs=1)
         trainer.fit(TinyClassifier(), _loader())
         trainer.save_checkpoint(tmp_path / f"{asked}.ckpt")
-        state = torch.load(tmp_path / f"{asked}.ckpt", weights_only=False)["callbacks"]["LPA3Callback"]
-        sizes[asked] = state["augmentation_cache"]["storage"]
+        state = lpa3_state(tmp_path / f"{asked}.ckpt")
+        sizes[asked] = state["cache"]["storage"]
     assert sizes[False] is None
     assert sizes[True] is not None and tuple(sizes[True].shape) == (48, 1, 28, 28)
 
@@ -698,21 +672,21 @@ def test_checkpoints_hold_no_cache_copy_unless_asked(tmp_path):
 def test_a_second_fit_with_the_same_callback_updates_tcs_from_its_first_epoch(tmp_path):
     callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
     _trainer(tmp_path, [callback], max_epochs=2).fit(TinyClassifier(), _loader())
-    scores_after_first = callback.tcs.scores.clone()
+    scores_after_first = callback.runner().tcs.scores.clone()
     updates: list[int] = []
-    original = callback.tcs.update
+    original = callback.runner().tcs.update
 
     class CountsUpdates(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            def counting(indices, probs, targets=None):
+            def counting(indices, probs, targets=None, **kwargs):
                 updates.append(int(indices.numel()))
-                return callback.tcs.__class__.update(callback.tcs, indices, probs, targets)
-            callback.tcs.update = counting
+                return callback.runner().tcs.__class__.update(callback.runner().tcs, indices, probs, targets, **kwargs)
+            callback.runner().tcs.update = counting
 
     second = _trainer(tmp_path, [callback, CountsUpdates()], max_epochs=1)
     second.fit(TinyClassifier(), _loader())
     assert sum(updates) == 48  # every sample of the second fit's epoch 0 reached the memory
-    assert not torch.equal(callback.tcs.scores, scores_after_first)
+    assert not torch.equal(callback.runner().tcs.scores, scores_after_first)
     del original
 
 
@@ -744,8 +718,8 @@ def test_nonfinite_predictions_never_reach_the_memory(tmp_path):
     callback = LPA3Callback(ratio=0.5, steps=1)
     trainer = _trainer(tmp_path, [callback], max_epochs=2)
     trainer.fit(NanLogits(), _loader(shuffle=False))
-    assert bool(torch.isfinite(callback.tcs.scores).all()) and bool(torch.isfinite(callback.tcs.memory).all())
-    assert int(callback.tcs.seen.sum()) == 48 - 3 and callback.tcs.has_threshold
+    assert bool(torch.isfinite(callback.runner().tcs.scores).all()) and bool(torch.isfinite(callback.runner().tcs.memory).all())
+    assert int(callback.runner().tcs.seen.sum()) == 48 - 3 and callback.runner().tcs.has_threshold
     assert float(trainer.callback_metrics["lpa3/nonfinite_predictions"]) == 3.0  # per epoch
 
 
@@ -756,11 +730,15 @@ def test_compiled_model_with_named_layers_in_a_trainer(tmp_path):
     x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0])
 
     def solve(model, layers):
+        from lpa3_lightning.callback.augment_stage import Augmenter
+
         callback = LPA3Callback(steps=1, layers=layers, seed=0, input_range=None)
         # the callback resolves names on the eager module behind the compiled wrapper
-        callback.setup(_trainer(tmp_path, [], max_epochs=1), module, "fit")
+        trainer = _trainer(tmp_path, [], max_epochs=1)
+        callback.setup(trainer, module, "fit")
         generator = torch.Generator().manual_seed(0)
-        return callback._runners[None].augmenter.solve(module, model, x, y, generator, "eval")[0]
+        augmenter = Augmenter(callback.resolve(trainer, module))
+        return augmenter.solve(module, model, x, y, generator, "eval")[0]
 
     x_adv = solve(module.model, ["4"])
     eager = module.model._orig_mod
@@ -772,9 +750,10 @@ def _augment_rows(callback, trainer, module, request):
     """The augment stage alone on every row of ``request`` (as if TCS had selected them all)."""
     from lpa3_lightning.callback.selection_stage import Selection
 
-    runner, n, epoch = callback._runners[None], request.inputs.shape[0], trainer.current_epoch
-    selection = Selection(torch.ones(n, dtype=torch.bool), n, n, n, 0)
-    return runner.augmenter.augment(module, request, selection, runner.cache, epoch, runner._solver_runs(epoch))
+    runner, n, epoch = callback.runner(), request.inputs.shape[0], trainer.current_epoch
+    selection = Selection(torch.ones(n, dtype=torch.bool), n, n, n, 0, torch.ones(n, dtype=torch.bool))
+    return runner.augmenter.augment(module, request, selection, runner.store, epoch, runner._solver_runs(epoch),
+                                    measure=True)
 
 
 def test_one_new_sample_among_cached_ones_waits(tmp_path):
@@ -782,9 +761,9 @@ def test_one_new_sample_among_cached_ones_waits(tmp_path):
     module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
     trainer.fit(module, _loader(16, 16, shuffle=False))
-    callback.cache.written[1:16] = 0
-    callback.cache.labels[1:16] = 0  # solved for the labels of the request below
-    callback.cache.written[0] = -1  # only sample 0 would need the solver
+    callback.runner().store.written[1:16] = 0
+    callback.runner().store.labels[1:16] = 0  # solved for the labels of the request below
+    callback.runner().store.written[0] = -1  # only sample 0 would need the solver
     from lpa3_lightning.core.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(16, 1, 28, 28), torch.zeros(16, dtype=torch.long), torch.arange(16))
@@ -797,8 +776,8 @@ def test_a_cached_x_prime_is_reused_only_for_the_label_it_was_solved_for(tmp_pat
     module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
     trainer.fit(module, _loader(16, 16, shuffle=False))
-    callback.cache.written[:16] = 0
-    callback.cache.labels[:16] = 0  # every entry solved for label 0
+    callback.runner().store.written[:16] = 0
+    callback.runner().store.labels[:16] = 0  # every entry solved for label 0
     from lpa3_lightning.core.augmented import LPA3Request
 
     targets = torch.tensor([0, 1] * 8)  # pseudo-labels moved on for half of them
@@ -904,12 +883,12 @@ def test_lazy_cache_regenerates_when_nothing_is_left_to_reuse(tmp_path):
                             cache={"regenerate_every_n_epochs": 4, "attack_new_selections": False})
     trainer = _trainer(tmp_path, [callback], max_epochs=2)
     trainer.fit(TinyClassifier(), _loader())
-    assert int(callback.cache.written.max()) == 0  # written in the regeneration epoch 0 only
+    assert int(callback.runner().store.written.max()) == 0  # written in the regeneration epoch 0 only
     assert not callback._runners[None].regeneration_epoch(1) and not callback._runners[None].regeneration_epoch(3)
     assert callback._runners[None].regeneration_epoch(4)
-    callback.cache.written.fill_(-1)  # what a restarted file cache holds
+    callback.runner().store.written.fill_(-1)  # what a restarted file cache holds
     assert callback._runners[None].regeneration_epoch(2)
-    callback.cache.written[:5] = 2  # entries of the current epoch do not count as reusable
+    callback.runner().store.written[:5] = 2  # entries of the current epoch do not count as reusable
     assert callback._runners[None].regeneration_epoch(2) and not callback._runners[None].regeneration_epoch(3)
 
 
@@ -918,8 +897,8 @@ def test_a_lone_cached_x_prime_is_not_trained_alone(tmp_path):
     module = TinyClassifier()
     trainer = _trainer(tmp_path, [callback], max_epochs=1, limit_train_batches=1)
     trainer.fit(module, _loader(16, 16, shuffle=False))
-    callback.cache.written[:] = -1
-    callback.cache.written[0] = 0  # sample 0 cached, sample 1 new (a lone new one waits)
+    callback.runner().store.written[:] = -1
+    callback.runner().store.written[0] = 0  # sample 0 cached, sample 1 new (a lone new one waits)
     from lpa3_lightning.core.augmented import LPA3Request
 
     request = LPA3Request(torch.randn(2, 1, 28, 28), torch.zeros(2, dtype=torch.long), torch.arange(2))
@@ -979,3 +958,150 @@ def test_a_memory_larger_than_the_data_warns_once_naming_num_samples(tmp_path):
         warnings.filterwarnings("ignore", message="^(?!LPA3Callback's TCS memory)")
         _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=None)], max_epochs=5).fit(
             TinyClassifier(), _loader())
+
+
+# ---------------------------------------------------------------------------------- what a run meets
+def test_two_callbacks_keep_their_states_under_their_own_keys(tmp_path):
+    """Lightning's convention (``_generate_state_key``): two configured instances, or a subclass
+    beside the base class, each save and restore their own state."""
+
+    class Subclass(LPA3Callback):
+        pass
+
+    first, second, third = LPA3Callback(ratio=0.5, steps=1, seed=0), LPA3Callback(ratio=0.25, steps=1, seed=0), \
+        Subclass(ratio=0.5, steps=1, seed=0)
+    assert len({first.state_key, second.state_key, third.state_key}) == 3
+    trainer = _trainer(tmp_path, [first], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    checkpoint = torch.load(trainer.checkpoint_callback.best_model_path or _saved(trainer, tmp_path), weights_only=False)
+    mine = checkpoint["callbacks"][first.state_key]
+    other = {**mine, "networks": {"": {**mine["networks"][""], "tcs": {**mine["networks"][""]["tcs"]}}}}
+    other["networks"][""]["tcs"]["scores"] = torch.full_like(mine["networks"][""]["tcs"]["scores"], -7.0)
+    checkpoint["callbacks"][third.state_key] = other  # a second LP-A3 state beside the first
+    both = tmp_path / "both.ckpt"
+    torch.save(checkpoint, both)
+    for callback, expected in ((LPA3Callback(ratio=0.5, steps=1, seed=0), mine),
+                               (Subclass(ratio=0.5, steps=1, seed=0), other)):
+        class Probe(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                self.scores = callback.runner().tcs.scores.clone()
+
+        probe = Probe()
+        _trainer(tmp_path, [callback, probe], max_epochs=2).fit(TinyClassifier(), _loader(), ckpt_path=both)
+        assert torch.equal(probe.scores, expected["networks"][""]["tcs"]["scores"])
+
+
+def _saved(trainer: pl.Trainer, tmp_path) -> str:
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    return str(path)
+
+
+def test_a_checkpoint_of_other_settings_warns_that_its_state_is_not_restored(tmp_path):
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    other = LPA3Callback(ratio=0.25, steps=1, seed=0)
+    with pytest.warns(UserWarning, match="holds LP-A3 state under.*ratio.*0.5"):
+        _trainer(tmp_path, [other], max_epochs=2).fit(TinyClassifier(), _loader(), ckpt_path=ckpt)
+
+
+def test_a_resume_leaves_the_global_random_state_to_the_user(tmp_path):
+    """The callback draws its own random numbers from generators of its own: resuming restores
+    nothing of torch's global generator (which dropout and transforms of the user's draw from)."""
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    trainer.fit(TinyClassifier(), _loader())
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    class GlobalState(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = torch.get_rng_state()
+
+    states = []
+    for user_seed in (1, 2):
+        probe = GlobalState()
+        trainer = _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0), probe], max_epochs=2)
+        module = TinyClassifier()
+        torch.manual_seed(user_seed)
+        trainer.fit(module, _loader(), ckpt_path=ckpt)
+        states.append(probe.state)
+    assert not torch.equal(states[0], states[1])  # each run kept the state its user seeded
+
+
+def test_an_input_range_that_excludes_the_data_warns_with_the_share_and_the_fix(tmp_path):
+    # indexed_images are standardised-like (about N(y - 1, 0.5)): most values lie outside [0, 1]
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=(0.0, 1.0))
+    with pytest.warns(UserWarning, match=r"\d+(\.\d+)?% of the input values.*outside.*input_range.*Fix"):
+        _trainer(tmp_path, [callback], max_epochs=1).fit(TinyClassifier(), _loader())
+
+
+def test_an_input_range_that_holds_the_data_runs_without_that_warning(tmp_path, recwarn):
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=(-10.0, 10.0))
+    _trainer(tmp_path, [callback], max_epochs=1).fit(TinyClassifier(), _loader())
+    assert not [w for w in recwarn if "outside" in str(w.message)]
+
+
+def test_the_selected_share_follows_ratio_when_an_epoch_sees_part_of_the_data(tmp_path):
+    """limit_train_batches: the samples not seen yet have no score; they are selected as before
+    the first threshold (a ratio share), so the batches keep about ratio selected."""
+    pl.seed_everything(0)
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=6, limit_train_batches=2)
+    trainer.fit(module, _loader(240, 16))
+    later = module.seen_augmented[2:]  # after the first threshold
+    assert sum(later) / (16 * len(later)) >= 0.35, module.seen_augmented
+
+
+def test_a_non_finite_input_warns_once_naming_its_dataset_index(tmp_path):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0)
+    with pytest.warns(UserWarning, match=r"NaN or Inf.*dataset indices \[3, 10\]") as caught:
+        _trainer(tmp_path, [callback], max_epochs=2).fit(NanTolerant(), _with_bad_rows())
+    assert len([w for w in caught if "NaN or Inf" in str(w.message)]) == 1
+
+
+class TupleOutput(TinyClassifier):
+    """A model that returns (logits, features), without an ``lpa3_logits`` of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner = self.model
+        self.model = nn.Module()
+        self.model.inner = inner
+        self.model.forward = lambda x: (inner(x), x)
+
+
+def test_a_model_output_that_is_not_logits_names_lpa3_logits_not_an_argument_the_callback_lacks(tmp_path):
+    with pytest.raises(TypeError, match="lpa3_logits") as info:
+        _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1).fit(TupleOutput(), _loader())
+    assert "logits_fn" not in str(info.value)
+
+    class Unsqueezed(TinyClassifier):
+        def lpa3_logits(self, output):
+            return output[:, :, None]  # (N, C, 1): not (N, C)
+
+    with pytest.raises(ValueError, match=r"\(N, classes\).*lpa3_logits") as info:
+        _trainer(tmp_path, [LPA3Callback(steps=1)], max_epochs=1).fit(Unsqueezed(), _loader())
+    assert "logits_fn" not in str(info.value)
+
+
+def test_a_later_fit_that_keeps_the_memory_another_way_refuses_before_any_collective():
+    """A second fit with the same callback keeps its memory; laid out another way (layout or world
+    size changed) it refuses on every rank alike, before any collective, naming the fix."""
+    from lpa3_lightning.callback.runner import _kept
+    from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
+
+    two = ShardedTimeConsistency(10, 2, 0.5, num_shards=2, shard=1)
+    with pytest.raises(ValueError, match="laid out another way.*save a checkpoint and resume from it"):
+        _kept(two, TimeConsistency(10, 2, 0.5))
+    with pytest.raises(ValueError, match="laid out another way"):
+        _kept(two, ShardedTimeConsistency(10, 2, 0.5, num_shards=1, shard=0))
+    earlier = TimeConsistency(10, 2, 0.5)
+    earlier.update(torch.arange(10), torch.full((10, 2), 0.5), epoch=3)
+    kept = _kept(earlier, TimeConsistency(10, 2, 0.5))
+    assert torch.equal(kept.scores, earlier.scores) and bool((kept.last_update_epoch == -1).all())

@@ -79,10 +79,10 @@ def test_sync_free_training_equals_the_default_path():
     assert m0.seen_augmented == m1.seen_augmented and sum(m1.seen_augmented) > 0
     for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
         torch.testing.assert_close(p1, p0, msg=name)
-    torch.testing.assert_close(c1.tcs.scores, c0.tcs.scores)
-    torch.testing.assert_close(c1.tcs.memory, c0.tcs.memory)
-    assert torch.equal(c1.tcs.seen, c0.tcs.seen)
-    torch.testing.assert_close(c1.tcs.threshold, c0.tcs.threshold)
+    torch.testing.assert_close(c1.runner().tcs.scores, c0.runner().tcs.scores)
+    torch.testing.assert_close(c1.runner().tcs.memory, c0.runner().tcs.memory)
+    assert torch.equal(c1.runner().tcs.seen, c0.runner().tcs.seen)
+    torch.testing.assert_close(c1.runner().tcs.threshold, c0.runner().tcs.threshold)
     assert float(t0.callback_metrics["lpa3/projected_epoch"]) > 0  # the bisections had work to do
     for key in ("lpa3/label_preserved_epoch", "lpa3/projected_epoch", "lpa3/perceptual_distance_epoch"):
         torch.testing.assert_close(t1.callback_metrics[key], t0.callback_metrics[key], msg=key)
@@ -107,7 +107,7 @@ def test_out_of_range_recorded_indices_get_a_named_error():
     callback = LPA3Callback(ratio=0.5, steps=1, seed=0, runtime={"sync_free": True})
     with pytest.raises(ValueError, match="recorded with `lpa3_record_predictions` were outside the training set"):
         _fit([callback], max_epochs=1, module=RecordsWrongIndices())
-    assert not bool(callback.tcs.seen.any())  # none of them was applied to the memory
+    assert not bool(callback.runner().tcs.seen.any())  # none of them was applied to the memory
 
 
 @pytest.mark.parametrize("regenerate", [1, 3])
@@ -131,12 +131,13 @@ def test_cuda_graphs_on_the_cpu_trains_as_the_sync_free_path():
     for graphs in (False, True):
         count = CountOneStep()
         callback = LPA3Callback(ratio=0.5, steps=3, seed=0, input_range=(-3.0, 3.0),
-                                runtime={"sync_free": True, "cuda_graphs": graphs})
+                                runtime={"sync_free": True, "cuda_graphs": graphs},
+                                logging={"every_n_steps": 1})  # every step in the epoch means compared below
         module, trainer = _fit([count.opener, callback, count], max_epochs=3)
         runs[graphs] = (module, callback, trainer, count.counter)
     (m0, c0, t0, _), (m1, c1, t1, reads) = runs[False], runs[True]
-    assert c0.solver_graphs is None and c1.solver_graphs is not None
-    assert len(c1.solver_graphs._entries) == 0  # released at the end of the fit
+    assert c0.runner().solver_graphs is None and c1.runner().solver_graphs is not None
+    assert len(c1.runner().solver_graphs._entries) == 0  # released at the end of the fit
     assert m0.seen_augmented == m1.seen_augmented and sum(m1.seen_augmented) > 0
     assert any(n % 8 for n in m1.seen_augmented if n)  # some steps did solve padded rows
     # float32 forwards of 8 rows and of n rows round differently (~1e-7); after three epochs the

@@ -700,14 +700,15 @@ def test_probe_leaves_parameters_buffers_flags_grads_and_rng_unchanged() -> None
 
 
 def test_probe_keeps_the_twin_statistics_capture_for_the_first_real_forward() -> None:
-    from lpa3_lightning.core.dual_bn import convert_dual_bn, frozen_twin_bn
+    from lpa3_lightning.core.batch_statistics import frozen_batch_statistics
+    from lpa3_lightning.core.dual_bn import convert_dual_bn
 
     torch.manual_seed(0)
     net = convert_dual_bn(_BNDropoutNet()).eval()
     x = torch.randn(8, 3, 6, 6)
-    with frozen_twin_bn(net) as reference:
+    with frozen_batch_statistics(net, "twin") as reference:
         net(x)
-    with frozen_twin_bn(net) as captured:
+    with frozen_batch_statistics(net, "twin") as captured:
         PerceptualFeatures(net)(x)  # probes with x[:2] first, then the real forward
     assert len(captured) == len(reference) == 2
     for (mean, var), (ref_mean, ref_var) in zip(captured.values, reference.values):

@@ -46,7 +46,7 @@ def test_readme_plain_pytorch_loop():
             if mask.sum() > 1:
                 logp, stats = label_log_prob(model, x[mask], y[mask], bn_mode="twin")
                 x_adv = lpa3_attack(model, x[mask], y[mask], sigma=0.02, steps=2, bn_mode="twin",
-                                    twin_statistics=stats)
+                                    bn_statistics=stats)
                 logits_adv = augmented_logits(model, x_adv, bn_mode="twin", bn_statistics=stats)
                 loss = F.cross_entropy(logits_adv, y[mask])
                 # the label is kept in the very forward the loss uses

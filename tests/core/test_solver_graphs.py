@@ -82,12 +82,12 @@ def test_twin_statistics_are_taken_from_the_real_rows_only():
     x, y = confident_batch(6)
     x = x.double()
     _, statistics = label_log_prob(net, x, y, bn_mode="twin")
-    given, _ = _solve(net, x, y, SolverGraphs(capture=False), bn_mode="twin", twin_statistics=statistics)
+    given, _ = _solve(net, x, y, SolverGraphs(capture=False), bn_mode="twin", bn_statistics=statistics)
     taken, _ = _solve(net, x, y, SolverGraphs(capture=False), bn_mode="twin")
     torch.testing.assert_close(taken, given, rtol=0, atol=1e-12)
     padded_statistics = label_log_prob(net, torch.cat([x, x[:1].expand(2, -1, -1, -1)]),
                                        torch.cat([y, y[:1].expand(2)]), bn_mode="twin")[1]
-    wrong, _ = _solve(net, x, y, SolverGraphs(capture=False), bn_mode="twin", twin_statistics=padded_statistics)
+    wrong, _ = _solve(net, x, y, SolverGraphs(capture=False), bn_mode="twin", bn_statistics=padded_statistics)
     assert (wrong - given).abs().max() > 1e-6  # the statistics do matter: the check could fail
 
 

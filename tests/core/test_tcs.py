@@ -172,7 +172,7 @@ def test_divergence_errors() -> None:
         tcs_divergence(torch.rand(2, 3), torch.rand(2, 4))
     with pytest.raises(ValueError, match=r"must both be \(N, C\)"):
         tcs_divergence(torch.rand(3), torch.rand(3))
-    with pytest.raises(ValueError, match="'code' or 'paper'.*'js'"):
+    with pytest.raises(ValueError, match="'code', 'paper'.*'js'"):
         tcs_divergence(torch.rand(2, 3), torch.rand(2, 3), divergence="js")  # type: ignore[arg-type]
 
 
@@ -342,8 +342,8 @@ def test_wrong_probs_shape_raises(shape: tuple[int, ...]) -> None:
         ({"num_samples": 4.0}, "`num_samples` must be a positive int"),
         ({"gamma": 0}, r"`gamma` must be in \(0, 1\]"),
         ({"gamma": 1.2}, r"`gamma` must be in \(0, 1\]"),
-        ({"divergence": "js"}, "`divergence` must be 'code' or 'paper'"),
-        ({"initial_memory": "zeros"}, "`initial_memory` must be 'uniform' or 'authors'"),
+        ({"divergence": "js"}, "`divergence` must be one of 'code', 'paper'"),
+        ({"initial_memory": "zeros"}, "`initial_memory` must be one of 'uniform', 'authors'"),
     ],
 )
 def test_bad_constructor_args_raise(kwargs: dict, match: str) -> None:
@@ -358,16 +358,30 @@ def test_bool_indices_rejected() -> None:
         tcs.update(torch.tensor([True, False, True, True]), torch.full((4, 2), 0.5))
 
 
-def test_update_with_keep_equals_updating_the_kept_rows_only() -> None:
+def test_an_update_applies_the_first_finite_row_of_each_index_once_an_epoch() -> None:
+    """The one keep rule of every update: a repeated index (DistributedSampler's padding) counts
+    once, at its first row; a non-finite prediction never; with ``epoch``, a sample once an epoch.
+    Checked against updates of the kept rows alone."""
     g = torch.Generator().manual_seed(0)
     a, b = TimeConsistency(10, 3, 0.5), TimeConsistency(10, 3, 0.5)
-    for _ in range(3):
-        indices = torch.randperm(10, generator=g)[:6]
-        probs = torch.softmax(torch.randn(6, 3, generator=g), 1)
-        keep = torch.rand(6, generator=g) > 0.4
-        a.update(indices[keep], probs[keep])
-        b.update(indices, probs, keep=keep, check_values=False)
+    probs = torch.softmax(torch.randn(6, 3, generator=g), 1)
+    probs[4] = float("nan")
+    indices = torch.tensor([3, 1, 3, 7, 5, 1])  # 3 and 1 repeat; 5's row is NaN
+    divergence = a.update(indices, probs, epoch=0)
+    b.update(indices[[0, 1, 3]], probs[[0, 1, 3]])
     assert torch.equal(a.memory, b.memory) and torch.equal(a.scores, b.scores) and torch.equal(a.seen, b.seen)
+    assert divergence[[2, 4, 5]].eq(0).all() and int(a.nonfinite_rows) == 1
+    assert a.last_update_epoch[[3, 1, 7]].eq(0).all() and a.last_update_epoch[5] == -1
+    later = torch.softmax(torch.randn(2, 3, generator=g), 1)
+    a.update(torch.tensor([7, 2]), later, epoch=0)  # 7 again in epoch 0: left out
+    b.update(torch.tensor([2]), later[1:])
+    assert torch.equal(a.memory, b.memory) and torch.equal(a.scores, b.scores)
+
+
+def test_out_of_range_recorded_indices_are_counted_when_not_checked() -> None:
+    tcs = TimeConsistency(4, 2, 0.5)
+    tcs.update(torch.tensor([0, 9, 1]), torch.full((3, 2), 0.5), check_values=False)
+    assert int(tcs.refused_rows) == 1 and tcs.seen.tolist() == [True, True, False, False]
 
 
 def test_select_and_has_threshold_read_no_tensor_value_on_the_host() -> None:
@@ -386,3 +400,18 @@ def test_select_and_has_threshold_read_no_tensor_value_on_the_host() -> None:
     assert torch.equal(chosen, tcs.scores < tcs.threshold)
     tcs.threshold = torch.tensor(float("nan"))  # assigning the threshold updates the host flag
     assert not tcs.has_threshold
+
+
+def test_a_sample_without_a_score_yet_is_selected_as_before_the_first_threshold() -> None:
+    """After a pass over part of the data (``limit_train_batches``), the samples never scored are
+    selected by the rule of the first pass (a seeded ``ratio`` share), not left out for good."""
+    tcs = TimeConsistency(num_samples=400, num_classes=2, ratio=0.5, seed=0)
+    seen = torch.arange(40)
+    tcs.update(seen, torch.tensor([[0.6, 0.4]]).repeat(40, 1))
+    tcs.refresh_threshold()
+    assert tcs.has_threshold
+    unseen = torch.arange(40, 400)
+    share = float(tcs.select(unseen, epoch=3).float().mean())
+    assert 0.4 <= share <= 0.6
+    # the scored samples follow the threshold
+    torch.testing.assert_close(tcs.select(seen), tcs.scores[seen] < tcs.threshold)

@@ -1,8 +1,9 @@
 """The sharded TCS memory against the replicated one, in 2, 4 and 8 CPU processes (gloo).
 
 Each worker feeds both memories the same steps (DistributedSampler's order with its padding
-duplicates, a few non-finite predictions) through their own exchanges: the replicated one
-all-gathers the predictions, the sharded one routes each row to its owner. Scores, seen flags,
+duplicates, a few non-finite predictions) through their one update, a collective with an exchange
+of its own: the replicated memory all-gathers the predictions, the sharded one routes each row
+to its owner. Scores, seen flags,
 thresholds, every step's selection and the whole memory (assembled by the sharded state_dict)
 must be equal bit for bit, in float32 and in bfloat16 storage (on the CPU). A checkpoint written
 by 8 processes loads into 4, and 4's into 2, each layout from the other's state, restoring the
@@ -22,8 +23,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
 from lpa3_lightning.core import shard_exchange
-from lpa3_lightning.core.distributed import deduplicate_first, gather_predictions
-from lpa3_lightning.core.shard_exchange import gather_row_facts, owned_rows, route_to_owners
+from lpa3_lightning.core.shard_exchange import owned_rows, route_to_owners
 from lpa3_lightning.core.tcs import TimeConsistency
 from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
 
@@ -55,19 +55,6 @@ def _steps(world: int, rank: int, epochs: range):
             yield epoch, step, order[step * BATCH:(step + 1) * BATCH]
 
 
-def _feed_replicated(memory: TimeConsistency, indices: torch.Tensor, probs: torch.Tensor) -> None:
-    indices, probs, _ = gather_predictions(indices, probs)
-    keep = torch.isfinite(probs).all(dim=1)
-    memory.update(indices[keep], probs[keep])
-
-
-def _feed_sharded(memory: ShardedTimeConsistency, indices: torch.Tensor, probs: torch.Tensor) -> None:
-    finite = torch.isfinite(probs).all(dim=1)
-    every, every_finite, _, sizes = gather_row_facts(indices, finite, None)
-    keep = deduplicate_first(every) & every_finite
-    memory.update_owned(every, keep, route_to_owners(probs, every, keep, sizes, memory.num_shards, memory.shard))
-
-
 def _train(memories: dict, world: int, rank: int, epochs: range) -> list[dict[str, torch.Tensor]]:
     selections = []
     for epoch, step, indices in _steps(world, rank, epochs):
@@ -76,8 +63,8 @@ def _train(memories: dict, world: int, rank: int, epochs: range) -> list[dict[st
                 memory.refresh_threshold()
         selections.append({name: memory.select(indices, epoch) for name, memory in memories.items()})
         probs = _predictions(epoch, step, indices)
-        for name, memory in memories.items():
-            (_feed_sharded if isinstance(memory, ShardedTimeConsistency) else _feed_replicated)(memory, indices, probs)
+        for memory in memories.values():
+            memory.update(indices, probs)
     for memory in memories.values():
         memory.refresh_threshold()
     return selections
@@ -112,7 +99,7 @@ def _run(world: int, rank: int, saved: dict | None) -> dict:
     epochs = range(EPOCHS, 2 * EPOCHS) if saved is not None else range(EPOCHS)
     result["selections"] = _train(memories, world, rank, epochs)
     result["states"] = {name: memory.state_dict() for name, memory in memories.items()}  # collective
-    result["local_rows"] = {name: tuple(m.memory.shape) for name, m in memories.items() if "sharded" in name}
+    result["local_rows"] = {name: tuple(m.local_rows.shape) for name, m in memories.items() if "sharded" in name}
     return result
 
 
@@ -192,21 +179,26 @@ def test_bad_layouts_and_states_are_refused_by_name():
         ShardedTimeConsistency(12, 2, 0.5, num_shards=2, shard=0).load_state_dict(state)
     with pytest.raises(ValueError, match="other than global rank 0.*load the checkpoint file that rank 0 wrote"):
         two.load_state_dict({**state, "memory": None})
-    with pytest.raises(ValueError, match="one entry per gathered row \\(3\\).*Fix: pass what gather_row_facts"):
+    with pytest.raises(ValueError, match="one entry per gathered row \\(3\\).*Fix: pass every rank"):
         route_to_owners(torch.rand(2, 2), torch.arange(2), torch.ones(2, dtype=torch.bool), [3], 1, 0)
-    # a later fit that keeps the memory another way refuses before any collective (on every rank alike)
-    with pytest.raises(ValueError, match="split over 2 processes.*save a checkpoint and resume from it"):
-        TimeConsistency(10, 2, 0.5).adopt(two)
-    with pytest.raises(ValueError, match="shard 1 of 2.*shard 0 of 1"):
-        ShardedTimeConsistency(10, 2, 0.5, num_shards=1, shard=0).adopt(two)
+    with pytest.raises(ValueError, match="of version 2; this package reads version 3"):
+        two.load_state_dict({**state, "version": 2})
 
 
-def test_an_older_float32_state_loads_into_16_bit_storage():
+def test_a_float32_state_loads_into_16_bit_storage():
     old = TimeConsistency(6, 3, 0.5)
     old.update(torch.arange(6), torch.softmax(torch.randn(6, 3), dim=1))
     state = old.state_dict()
-    del state["storage_dtype"]  # a version-1 state
     half = ShardedTimeConsistency(6, 3, 0.5, num_shards=1, shard=0, storage_dtype="float16")
     half.load_state_dict(state)
-    assert half.memory.dtype == torch.float16
+    assert half.local_rows.dtype == torch.float16
     assert torch.equal(half.state_dict()["memory"], old.memory.half()) and torch.equal(half.scores, old.scores)
+
+
+def test_a_sharded_memory_has_no_memory_attribute_of_another_meaning():
+    """``memory`` of a replicated memory is row i = dataset index i; a shard's rows are other
+    indices (j * num_shards + shard), kept under another name so no reader mistakes them."""
+    tcs = ShardedTimeConsistency(10, 3, 0.5, num_shards=4, shard=1)
+    assert tcs.local_rows.shape == (3, 3)  # indices 1, 5 and 9
+    with pytest.raises(AttributeError, match="local_rows.*full_memory"):
+        tcs.memory  # noqa: B018

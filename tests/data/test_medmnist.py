@@ -295,3 +295,45 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
 def test_unknown_stage_is_refused():
     with pytest.raises(ValueError, match="stage"):
         MedMNISTDataModule().setup("train")
+
+
+def _fit_demo_like(root: Path, epochs: int, ckpt: Path | None = None):
+    import lightning.pytorch as pl
+
+    from lpa3_lightning import LPA3Callback, LPA3Classifier
+
+    pl.seed_everything(0)
+    module = LPA3Classifier(in_channels=1, num_classes=2, milestones=[100])
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    trainer = pl.Trainer(default_root_dir=root, max_epochs=epochs, limit_train_batches=3, limit_val_batches=0,
+                         accelerator="cpu", devices=1, callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, deterministic=True)
+    trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=16), ckpt_path=ckpt)
+    return trainer, module, callback
+
+
+def test_the_default_train_loader_resumes_an_epoch_end_checkpoint_exactly(tmp_path):
+    """The README's promise for its demo: an interrupted run resumes exactly (here from the end
+    of epoch 0): the same weights and TCS memory as an uninterrupted run."""
+    _, full, full_callback = _fit_demo_like(tmp_path / "full", 2)
+    trainer, _, _ = _fit_demo_like(tmp_path / "part", 1)
+    trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+    _, resumed, resumed_callback = _fit_demo_like(tmp_path / "part", 2, tmp_path / "epoch0.ckpt")
+    for key, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    for key in ("memory", "scores", "seen", "threshold"):
+        assert torch.equal(getattr(full_callback.runner().tcs, key), getattr(resumed_callback.runner().tcs, key)), key
+
+
+def test_overfit_batches_runs_with_the_default_train_loader(tmp_path):
+    """Lightning rebuilds the loader with a sequential sampler for ``overfit_batches``."""
+    import lightning.pytorch as pl
+
+    from lpa3_lightning import LPA3Callback, LPA3Classifier
+
+    module = LPA3Classifier(in_channels=1, num_classes=2)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=2, overfit_batches=2, accelerator="cpu", devices=1,
+                         callbacks=[LPA3Callback(ratio=0.5, steps=1, seed=0)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
+    assert trainer.global_step == 4

@@ -103,6 +103,13 @@ class UserModule(LPA3ModuleMixin, pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class ConsumesOnRankZero(UserModule):
+    """A user's override that answers differently on the two ranks (a bug the callback must name)."""
+
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        return self.trainer.global_rank == 0
+
+
 class Recording(LPA3Callback):
     def __init__(self, *args, empty_rank: int | None = None, bad_rank: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -118,31 +125,12 @@ class Recording(LPA3Callback):
         check_request(request, num_classes, num_samples, values)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        original = self.tcs.update
-
-        def counting(indices, probs, targets=None, **kwargs):
-            epoch = trainer.current_epoch
-            keep = kwargs.get("keep")  # the sync-free path applies the rows it keeps
-            applied = int(indices.numel()) if keep is None else int(keep.sum())
-            self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + applied
-            return original(indices, probs, targets, **kwargs)
-
-        original_owned = getattr(self.tcs, "update_owned", None)  # a sharded memory's (the default under DDP)
-
-        def counting_owned(indices, keep, owned_probs, targets=None):
-            epoch = trainer.current_epoch
-            self.applied_per_epoch[epoch] = self.applied_per_epoch.get(epoch, 0) + int(keep.sum())
-            return original_owned(indices, keep, owned_probs, targets)
-
-        self.tcs.update = counting
-        if original_owned is not None:
-            self.tcs.update_owned = counting_owned
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:
-            del self.tcs.update
-            if original_owned is not None:
-                del self.tcs.update_owned
+        # applied rows, counted from the outside: the samples whose score this step's update changed
+        # (a padded repeat applied again in a later step of the epoch would be counted twice)
+        before = self.runner().tcs.scores.clone()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        changed = int((self.runner().tcs.scores != before).sum())
+        self.applied_per_epoch[trainer.current_epoch] = self.applied_per_epoch.get(trainer.current_epoch, 0) + changed
 
     def on_augmented(self, trainer, pl_module, augmented):
         self.x_prime.append((trainer.current_epoch, augmented.indices.cpu().clone(), augmented.inputs.cpu().clone()))
@@ -150,7 +138,8 @@ class Recording(LPA3Callback):
     def _select(self, memory, request, epoch, sync_free, bad_recorded):
         selection = select(memory, request, epoch, sync_free, bad_recorded)
         if self.empty_rank is not None and self._rank == self.empty_rank:
-            selection = Selection(torch.zeros_like(selection.mask), 0, selection.tcs_selected, 0, selection.nonfinite)
+            selection = Selection(torch.zeros_like(selection.mask), 0, selection.tcs_selected, 0, selection.nonfinite,
+                                  selection.finite)
         self.record.append((request.indices.cpu().clone(), selection.mask.cpu().clone()))
         return selection
 
@@ -269,7 +258,7 @@ def main(out: Path, mode: str) -> None:
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=out)
         trainer.fit(module, _loaders(n_unlabeled=64, batch=2, mu=4))
-        torch.save({"tcs": callback.tcs.state_dict(), "parts": module.parts,
+        torch.save({"tcs": callback.runner().tcs.state_dict(), "parts": module.parts,
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    out / f"rank{trainer.global_rank}.pt")
         return
@@ -284,7 +273,7 @@ def main(out: Path, mode: str) -> None:
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=out)
         trainer.fit(module, DataLoader(NoisyTwoViews(N), batch_size=PER_RANK_BATCH, shuffle=True))
-        torch.save({"tcs": callback.tcs.state_dict(), "labeled": module._pes_labeled.cpu(),
+        torch.save({"tcs": callback.runner().tcs.state_dict(), "labeled": module._pes_labeled.cpu(),
                     "params": {k: v.detach().clone() for k, v in module.named_parameters()},
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    out / f"rank{trainer.global_rank}.pt")
@@ -301,7 +290,7 @@ def main(out: Path, mode: str) -> None:
                              enable_model_summary=False, default_root_dir=out)
         trainer.fit(module, DataLoader(NoisyTwoViews(N), batch_size=PER_RANK_BATCH, shuffle=True))
         torch.save({"tcs": {n: c.tcs.state_dict() for n, c in callback.networks.items()},
-                    "cache": {n: c.cache.state_dict(include_inputs=True) for n, c in callback.networks.items()},
+                    "cache": {n: c.store.state_dict(include_inputs=True) for n, c in callback.networks.items()},
                     "clean_prob": {n: module.dividemix_clean_probability(n) for n in module.lpa3_networks()},
                     "stratified_count": dict(module._dm_state().get("stratified_count", {})),
                     "params": {k: v.detach().clone() for k, v in module.named_parameters()},  # (BN buffers are local)
@@ -322,6 +311,28 @@ def main(out: Path, mode: str) -> None:
             trainer.save_checkpoint(out / "epoch0.ckpt")
         torch.save({"x_prime": callback.x_prime}, out / f"rank{trainer.global_rank}.pt")
         return
+    if mode == "consumes_rank0":  # a user override that answers differently on the two ranks
+        module = ConsumesOnRankZero()
+        callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+        trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, callbacks=[callback],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out)
+        trainer.fit(module, DataLoader(indexed_images(N), batch_size=PER_RANK_BATCH))
+        return
+    if mode == "state_dict_rank0":  # the common rank-0-only save, on a memory split over the ranks
+        callback = LPA3Callback(ratio=0.5, steps=1, seed=0, selection={"memory_layout": "sharded"})
+        trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, callbacks=[callback],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out)
+        trainer.fit(TinyClassifier(twin_bn=True), DataLoader(indexed_images(N), batch_size=PER_RANK_BATCH))
+        outcome = "returned"
+        if trainer.is_global_zero:
+            try:
+                callback.state_dict()
+            except RuntimeError as error:
+                outcome = str(error)
+        torch.save({"outcome": outcome, "layout": type(callback.runner().tcs).__name__}, out / f"rank{trainer.global_rank}.pt")
+        return
     if user:
         module = UserModule(fault=None if mode == "user_module" else mode)
     else:
@@ -338,8 +349,8 @@ def main(out: Path, mode: str) -> None:
     loader = DataLoader(indexed_images(n), batch_size=PER_RANK_BATCH, shuffle=False)
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "final.ckpt")
-    torch.save({"tcs": callback.tcs.state_dict(), "steps": callback.record, "applied": callback.applied_per_epoch,
-                "cache": None if callback.cache is None else callback.cache.state_dict(include_inputs=True),
+    torch.save({"tcs": callback.runner().tcs.state_dict(), "steps": callback.record, "applied": callback.applied_per_epoch,
+                "cache": None if callback.runner().store is None else callback.runner().store.state_dict(include_inputs=True),
                 "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                 "seen_augmented": getattr(module, "seen_augmented", None),
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},

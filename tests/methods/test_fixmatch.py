@@ -156,6 +156,16 @@ def test_a_batch_of_another_layout_is_refused_with_the_fix():
         split_semi_supervised_batch((torch.zeros(2, 1), torch.zeros(2), torch.arange(2)))
 
 
+def test_a_labeled_batch_without_its_index_is_named_as_the_labeled_part():
+    unlabeled = (torch.zeros(2, 1), torch.zeros(2, 1), torch.arange(2))
+    with pytest.raises(ValueError, match=r"labeled.*\(x, y\).*needs \(x, y, index\).*LabeledDataset") as info:
+        split_semi_supervised_batch({"labeled": (torch.zeros(2, 1), torch.zeros(2)), "unlabeled": unlabeled})
+    assert "unlabeled dataset" not in str(info.value)
+    with pytest.raises(ValueError, match=r"unlabeled.*needs \(x_weak, x_strong, index\).*UnlabeledDataset"):
+        split_semi_supervised_batch({"labeled": (torch.zeros(2, 1), torch.zeros(2), torch.arange(2)),
+                                     "unlabeled": unlabeled[:2]})
+
+
 # ------------------------------------------------------------------ a fit with the callback
 def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_weak_view_once(tmp_path):
     pl.seed_everything(0)
@@ -185,7 +195,7 @@ def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_weak_view_
     # the weak view went through the network once per step (the request's forward, reused by the loss);
     # the solver's forwards take x + delta or frozen-statistics forwards of the selected subset
     assert len(weak_forwards) == len(steps)
-    tcs = callback.tcs
+    tcs = callback.runner().tcs
     assert tcs is not None and tcs.num_samples == 64 and bool(tcs.seen.all())  # TCS over the unlabeled set
     assert sum(p["num_augmented"] for p in module.parts) > 0
     assert "lpa3/label_preserved_epoch" in trainer.callback_metrics
@@ -227,7 +237,7 @@ def test_a_cached_x_prime_is_reused_only_for_its_pseudo_label(tmp_path):
             changed += 1
     assert kept > 0 and changed > 0
     last = {i: label for _, i, label, _, solved in rows if solved}  # the cache remembers the last label solved
-    assert all(int(callback.cache.labels[i]) == label for i, label in last.items())
+    assert all(int(callback.runner().store.labels[i]) == label for i, label in last.items())
 
 
 def test_labels_out_of_range_are_refused_by_name():

@@ -7,6 +7,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+
+from tests.helpers import lpa3_state
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from lpa3_lightning import FixMatchClassifier, LPA3Callback
@@ -43,9 +45,9 @@ def test_ready_module_fits_with_lpa3_and_ema_then_resumes(tmp_path):
     data = _data(tmp_path)
     trainer.fit(module, datamodule=data)
     assert module.lpa3_num_samples == data.num_unlabeled == 4000  # TCS over the unlabeled set
-    assert lpa3.tcs is not None and lpa3.tcs.num_samples == 4000
-    assert int(lpa3.tcs.seen.sum()) == len(unlabeled) > 16  # every unlabeled row of the 2 x 3 steps, none else
-    assert bool(lpa3.tcs.seen[sorted(unlabeled)].all())
+    assert lpa3.runner().tcs is not None and lpa3.runner().tcs.num_samples == 4000
+    assert int(lpa3.runner().tcs.seen.sum()) == len(unlabeled) > 16  # every unlabeled row of the 2 x 3 steps, none else
+    assert bool(lpa3.runner().tcs.seen[sorted(unlabeled)].all())
     assert "lpa3/label_preserved_epoch" in trainer.callback_metrics
     assert "val/acc" in trainer.callback_metrics
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
@@ -57,7 +59,7 @@ def test_ready_module_fits_with_lpa3_and_ema_then_resumes(tmp_path):
 
     class Peek(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            restored["scores"] = lpa3_2.tcs.scores.clone()
+            restored["scores"] = lpa3_2.runner().tcs.scores.clone()
             restored["ema"] = {k: v.clone() for k, v in ema2._average_model.module.state_dict().items()}
             restored["labels"] = list(trainer.datamodule.labeled_indices)
 
@@ -66,7 +68,7 @@ def test_ready_module_fits_with_lpa3_and_ema_then_resumes(tmp_path):
     with pytest.warns(UserWarning):
         _trainer(tmp_path, [lpa3_2, ema2, Peek()], max_epochs=3).fit(module2, datamodule=data2,
                                                                      ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    state = saved["callbacks"]["LPA3Callback"]["tcs"]
+    state = lpa3_state(saved)["tcs"]
     assert torch.equal(restored["scores"], state["scores"])
     assert restored["labels"] == list(data.labeled_indices)
     # the checkpoint's state_dict holds the EMA weights (Lightning's WeightAveraging), restored into the average

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lpa3_lightning import LPA3Callback  # noqa: E402
-from lpa3_lightning.data import ResumableDataLoader  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from tests.callback.test_callback import TinyClassifier  # noqa: E402
 from tests.ddp.run_ddp import no_bn_net  # noqa: E402
 from tests.helpers import indexed_images  # noqa: E402
@@ -69,7 +69,9 @@ class RecordXPrime(LPA3Callback):
 def main(out: Path, mode: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    lpa3 = RecordXPrime(ratio=0.5, steps=2, seed=0, cache={"regenerate_every_n_epochs": 2, "in_checkpoint": True})
+    # the memory split over the ranks (the layout large data sets get): its checkpoint is assembled from both
+    lpa3 = RecordXPrime(ratio=0.5, steps=2, seed=0, cache={"regenerate_every_n_epochs": 2, "in_checkpoint": True},
+                        selection={"memory_layout": "sharded"})
     record = Record(kill=mode == "killed")
     checkpoints = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=0, save_last=True)
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, deterministic=True,
@@ -77,14 +79,16 @@ def main(out: Path, mode: str) -> None:
                          enable_model_summary=False, default_root_dir=out)
     module = Classifier()
     last = out / "ckpt" / "last.ckpt"
-    loader = ResumableDataLoader(indexed_images(N), batch_size=PER_RANK_BATCH, shuffle=True, seed=0)
+    # a plain stateful loader: Lightning gives it torch's DistributedSampler (seed 0, from seed_everything)
+    # and checkpoints its position
+    loader = StatefulDataLoader(indexed_images(N), batch_size=PER_RANK_BATCH, shuffle=True)
     trainer.fit(module, loader, ckpt_path=last if last.exists() else None)
-    tcs = lpa3.tcs.state_dict()  # a collective: every rank calls it
-    torch.save({"tcs": tcs, "cache": lpa3.cache.state_dict(include_inputs=True),
+    tcs = lpa3.runner().tcs.state_dict()  # the core memory's: a collective, every rank calls it
+    torch.save({"tcs": tcs, "cache": lpa3.runner().store.state_dict(include_inputs=True),
                 "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                 "optimizer": trainer.optimizers[0].state_dict(), "x_prime": lpa3.x_prime, "steps": record.steps,
                 "indices": record.indices,
-                "sharded": type(lpa3.tcs).__name__},
+                "sharded": type(lpa3.runner().tcs).__name__},
                out / f"rank{trainer.global_rank}.pt")
 
 

@@ -21,9 +21,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lpa3_lightning import LPA3Callback  # noqa: E402
-from lpa3_lightning.data import ResumableDataLoader  # noqa: E402
+from lpa3_lightning.data import train_loader  # noqa: E402
 from tests.callback.test_callback import TinyClassifier  # noqa: E402
-from tests.helpers import indexed_images  # noqa: E402
+from tests.helpers import GlobalRandomState, indexed_images  # noqa: E402
 
 KILL_AT = 5  # 48 samples / 16 = 3 steps an epoch: step 5 is the middle of epoch 1
 EPOCHS = 3
@@ -38,21 +38,22 @@ class KillAt(Callback):
 def main(out: Path, mode: str) -> None:
     pl.seed_everything(0)
     module = TinyClassifier()
-    # seed=None: the solver's noise comes from torch's global generator, whose state the
-    # callback checkpoints; the x' cache (K=2) is checkpointed too.
+    # seed=None: the solver's base seed is fixed at the first fit and checkpointed; the x' cache
+    # (K=2) is checkpointed too.
     callbacks: list[Callback] = [LPA3Callback(ratio=0.5, steps=2,
                                               cache={"regenerate_every_n_epochs": 2, "in_checkpoint": True}),
+                                 GlobalRandomState(),
                                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1,
                                                  save_last=True)]
     if mode == "killed":
         callbacks.append(KillAt())
     trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, deterministic=True, callbacks=callbacks,
                          logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
-    loader = ResumableDataLoader(indexed_images(48), batch_size=16, shuffle=True, seed=0)
+    loader = train_loader(indexed_images(48), batch_size=16, seed=0)
     ckpt = out / "ckpt" / "last.ckpt" if mode == "resume" else None
     trainer.fit(module, loader, ckpt_path=ckpt)
     lpa3 = callbacks[0]
-    torch.save({"tcs": lpa3.tcs.state_dict(), "cache": lpa3.cache.state_dict(include_inputs=True),
+    torch.save({"tcs": lpa3.runner().tcs.state_dict(), "cache": lpa3.runner().store.state_dict(include_inputs=True),
                 "weights": {k: v.clone() for k, v in module.state_dict().items()},
                 "seen_augmented": module.seen_augmented}, out / "final.pt")
 

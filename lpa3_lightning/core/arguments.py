@@ -1,0 +1,62 @@
+"""One check per kind of setting (a choice, a flag, an int, a number), named by the caller.
+
+The core constructors and the callback's settings groups validate the same settings with these,
+so a value is refused with one message wherever it is given: ``lam`` to
+:func:`~lpa3_lightning.core.attack.lpa3_attack`, ``solver.lam`` to
+:class:`~lpa3_lightning.LPA3Callback`. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["check_choice", "check_flag", "check_int", "check_number"]
+
+
+def check_choice(value: Any, choices: Sequence[Any], name: str, fix: str) -> None:
+    """Refuse ``value`` unless it is one of ``choices``.
+
+    Raises:
+        ValueError: naming ``name``, the choices, the value and the fix.
+
+    Example:
+        >>> check_choice("code", ("code", "paper"), "divergence", "use 'code'.")
+    """
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {listed}, got {value!r}. Fix: {fix}")
+
+
+def check_flag(value: Any, name: str, fix: str) -> None:
+    """Refuse anything but ``True`` or ``False``.
+
+    Raises:
+        ValueError: naming ``name``, the value and the fix.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}. Fix: {fix}")
+
+
+def check_int(value: Any, name: str, low: int, fix: str) -> None:
+    """Refuse anything but an int (not a bool) of at least ``low``.
+
+    Raises:
+        ValueError: naming ``name``, the value and the fix.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: {fix}")
+
+
+def check_number(value: Any, name: str, fix: str, *, positive: bool = False) -> float:
+    """Refuse anything but a finite number (not a bool) that is >= 0 (``positive``: > 0); return it as a float.
+
+    Raises:
+        ValueError: naming ``name``, the value and the fix.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"`{name}` must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}. Fix: {fix}")
+    return float(value)

@@ -1,0 +1,84 @@
+"""What the callback logs: per step only what exists in the step, per epoch over all steps."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lpa3_lightning import LPA3Callback
+from lpa3_lightning.callback.logging_stage import EpochLog
+from lpa3_lightning.core.attack import AttackStats
+from lpa3_lightning.core.augmented import AugmentedBatch
+from tests.callback.test_callback import TinyClassifier, _loader, _trainer
+
+PER_X_PRIME = ("lpa3/label_preserved_step", "lpa3/projected_step", "lpa3/perceptual_distance_step")
+
+
+def _rows(trainer: pl.Trainer) -> list[dict[str, str]]:
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_a_step_without_x_prime_logs_no_quantity_of_an_x_prime(tmp_path):
+    pl.seed_everything(0)
+    # a small share: some batches select nothing (or a lone row, which waits), others several
+    callback = LPA3Callback(ratio=0.1, steps=1, seed=0)
+    trainer = _trainer(tmp_path, [callback], max_epochs=4)
+    trainer.fit(TinyClassifier(), _loader(48, 8))
+    rows = [r for r in _rows(trainer) if r.get("lpa3/selected_fraction_step")]
+    empty = [r for r in rows if float(r["lpa3/selected_fraction_step"]) == 0.0]
+    full = [r for r in rows if float(r["lpa3/selected_fraction_step"]) > 0.0]
+    assert empty and full  # the run has both kinds of step
+    for row in empty:
+        for key in PER_X_PRIME:
+            assert row[key] == "" or math.isnan(float(row[key])), (row["step"], key, row[key])
+    for row in full:
+        assert row["lpa3/perceptual_distance_step"] not in ("", "nan")
+
+
+class _Logs:
+    """A module's ``log`` and ``device``, for the epoch log alone."""
+
+    device = torch.device("cpu")
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+
+def _solved(distances: list[float], projected: list[bool]) -> AugmentedBatch:
+    n = len(distances)
+    stats = AttackStats(perceptual_distance=torch.tensor(distances), logp_drop=torch.zeros(n),
+                        preserved=torch.ones(n, dtype=torch.bool), projected=torch.tensor(projected),
+                        l2=torch.zeros(n))
+    return AugmentedBatch(inputs=torch.zeros(n, 1), targets=torch.zeros(n, dtype=torch.long),
+                          indices=torch.arange(n), mask=torch.ones(n, dtype=torch.bool), stats=stats)
+
+
+def test_x_prime_that_barely_move_warn_once_an_epoch_with_the_cause():
+    """More than half of an epoch's solved x' within 1e-3 of x in feature space (or NaN: x' given
+    back as x): one warning that epoch, naming the share, the bisection's part and sigma."""
+    log = EpochLog("lpa3/", "_lpa3_", ())
+    log.to(torch.device("cpu"))
+    for epoch in range(2):
+        log.count_moves(_solved([1e-5, 2e-4, float("nan"), 0.5], [True, True, False, False]))
+        log.count_moves(_solved([1e-6, 0.3], [True, False]))
+        with pytest.warns(UserWarning, match=r"67% of this epoch's 6 x' barely moved.*75% of those were pulled back.*"
+                                             r"sigma=0.02.*'batch'"):
+            log.epoch_end(_Logs(), 0, None, 0.02, "batch")
+    log.count_moves(_solved([1e-5, 0.5, 0.4], [True, False, False]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log.epoch_end(_Logs(), 0, None, 0.02, "batch")  # a third that barely moved: no warning
+
+
+def test_x_prime_that_move_do_not_warn(tmp_path, recwarn):
+    pl.seed_everything(0)
+    callback = LPA3Callback(ratio=1.0, sigma=0.02, steps=2, seed=0)
+    _trainer(tmp_path, [callback], max_epochs=1).fit(TinyClassifier(), _loader())
+    assert not [w for w in recwarn if "barely moved" in str(w.message)]
