@@ -26,22 +26,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
+from lpa3_lightning.core.checks import check_bool_setting as _check_bool
+from lpa3_lightning.core.checks import check_int_setting as _check_int
 from lpa3_lightning.core.input_box import MaxStep, check_max_step
 from lpa3_lightning.core.selection import check_initial_selection, check_threshold_rule
 from lpa3_lightning.core.tcs import STORAGE_DTYPES
 
 __all__ = ["CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
            "moved_setting", "preset_groups"]
-
-
-def _check_bool(group: str, name: str, value: Any, fix: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{group}.{name}` must be True or False, got {value!r}. Fix: {fix}")
-
-
-def _check_int(group: str, name: str, value: Any, low: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{group}.{name}` must be an int >= {low}, got {value!r}. Fix: {fix}")
 
 
 @dataclass(frozen=True)

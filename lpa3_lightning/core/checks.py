@@ -1,16 +1,21 @@
-"""Checks of the per-sample tensors every stage receives: dataset indices and class labels (and a class prior).
+"""Checks of the per-sample tensors every stage receives: dataset indices and class labels (and a class prior);
+and of one field of a settings group (a bool, an int, a number in a range).
 
 One definition each, so the TCS memory, the callback and the mixins refuse the same input
-with the same message. No Lightning here: a plain PyTorch loop gets the same errors.
+with the same message, and the callback's and the mixins' settings name a bad field the same way
+(``group.field``). No Lightning here: a plain PyTorch loop gets the same errors.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["check_class_labels", "check_class_prior", "check_dataset_indices", "check_split_loader_covered",
-           "count_out_of_range"]
+__all__ = ["check_bool_setting", "check_class_labels", "check_class_prior", "check_dataset_indices",
+           "check_int_setting", "check_number_setting", "check_split_loader_covered", "count_out_of_range"]
 
 
 def _is_integer_tensor(t: object) -> bool:
@@ -115,3 +120,49 @@ def check_split_loader_covered(visits: Tensor, begin_method: str) -> None:
     if missing:
         raise ValueError(f"The split loader left {missing} training samples out. Fix: pass a loader over the whole "
                          f"training set (no drop_last) to `{begin_method}`.")
+
+
+def check_bool_setting(group: str, name: str, value: Any, fix: str) -> None:
+    """Refuse anything but True or False for the setting ``group.name``.
+
+    Raises:
+        ValueError: naming ``group.name``, the value and ``fix``.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{group}.{name}` must be True or False, got {value!r}. Fix: {fix}")
+
+
+def check_int_setting(group: str, name: str, value: Any, low: int, fix: str) -> None:
+    """Refuse anything but an int ``>= low`` (a bool is not one) for the setting ``group.name``.
+
+    Raises:
+        ValueError: naming ``group.name``, the value and ``fix``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{group}.{name}` must be an int >= {low}, got {value!r}. Fix: {fix}")
+
+
+def check_number_setting(group: str, name: str, value: Any, fix: str, *, minimum: float | None = None,
+                         above: float | None = None, maximum: float | None = None,
+                         below: float | None = None) -> None:
+    """Refuse anything but a finite int or float (a bool is not one) within the given bounds for the
+    setting ``group.name``: ``minimum <= value`` or ``above < value``, ``value <= maximum`` or ``value < below``.
+
+    Raises:
+        ValueError: naming ``group.name``, the range, the value and ``fix``.
+
+    Example:
+        >>> check_number_setting("pes", "temperature", 0.5, "use 0.5.", above=0)
+        >>> check_number_setting("pes", "temperature", 0, "use 0.5.", above=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `pes.temperature` must be a finite number > 0, got 0. Fix: use 0.5.
+    """
+    bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", minimum), (">", above), ("<=", maximum), ("<", below))
+              if bound is not None]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (minimum is not None and value < minimum) or (above is not None and value <= above) \
+            or (maximum is not None and value > maximum) or (below is not None and value >= below):
+        where = " and ".join(bounds)
+        raise ValueError(f"`{group}.{name}` must be a finite number{' ' + where if where else ''}, got {value!r}. "
+                         f"Fix: {fix}")
