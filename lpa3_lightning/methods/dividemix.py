@@ -6,11 +6,9 @@ DivideMix trains two networks on noisy labels:
    labels (plus the negative-entropy penalty for asymmetric noise,
    ``negative_entropy``); here the first network trains on each batch's first view,
    the second on its second view.
-2. ``"semi"``: at the start of every epoch each network's per-sample cross-entropy on the noisy
-   labels (eval mode, the evaluation view), min-max normalised (averaged over the last
-   ``loss_history`` epochs; the authors use 5 at 90% noise, 1 otherwise), is fitted by a
-   two-component Gaussian mixture, and the posterior ``w`` of its low-loss component is the
-   probability that a label is clean (:func:`~lpa3_lightning.methods.dividemix_parts.clean_probability`). Each
+2. ``"semi"``: at the start of every epoch each network's per-sample losses on the noisy labels
+   are fitted by a two-component Gaussian mixture, whose low-loss posterior ``w`` is the
+   probability that a label is clean (:mod:`lpa3_lightning.methods.dividemix_split`). Each
    network trains with the split of the *other* (co-divide): ``w > threshold``
    labeled, the rest unlabeled. A labeled target is co-refined with the network's own mean
    prediction over both views, ``sharpen(w y + (1 - w) p)``; an unlabeled target is co-guessed by
@@ -48,38 +46,26 @@ settings named here are the fields of :class:`~lpa3_lightning.methods.settings.D
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
-from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
+from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_rank
-from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
-from lpa3_lightning.methods.dividemix_parts import (
-    clean_probability,
-    clean_probability_per_class,
-    co_guess,
-    co_refine,
-    negative_entropy,
-    normalized_losses,
-    prior_penalty,
-    stratified_selection,
-)
+from lpa3_lightning.methods.base import BatchNormStatisticsFrozen
+from lpa3_lightning.methods.dividemix_parts import co_guess, co_refine, negative_entropy, prior_penalty
+from lpa3_lightning.methods.dividemix_split import DivideMixPhase, DivideMixSplitMixin
 from lpa3_lightning.methods.mixmatch import linear_rampup, mixup, mixup_lambda, probability_mse, soft_cross_entropy
 from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.methods.pes import split_two_view_batch
-from lpa3_lightning.methods.settings import DivideMixSettings
 
-__all__ = ["DivideMixLPA3Mixin"]
-
-DivideMixPhase = Literal["warmup", "semi"]
+__all__ = ["DivideMixLPA3Mixin", "DivideMixPhase"]
 
 
-class DivideMixLPA3Mixin(LPA3ModuleMixin):
+class DivideMixLPA3Mixin(DivideMixSplitMixin):
     """DivideMix's co-divide and MixMatch loss for two networks, with LP-A3 hard positives for each.
 
     Set :attr:`lpa3_num_classes` and :attr:`lpa3_num_samples` (training-set size), return the two
@@ -92,23 +78,12 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         lpa3_settings: a :class:`~lpa3_lightning.methods.settings.DivideMixSettings` (the networks'
             names, the warm-up, the MixMatch weights, the split's options, the prior penalty, the
             ``x'`` options; its docstring gives each default and its source); set
-            ``self.lpa3_settings = DivideMixSettings(...)``.
-        lpa3_num_samples: the training-set size (the split and the TCS memories are over it). A
-            fact about the data, not a setting.
+            ``self.lpa3_settings = DivideMixSettings(...)``. Declared, with ``lpa3_num_samples``
+            (the training-set size, a fact about the data), by the co-divide base
+            :class:`~lpa3_lightning.methods.dividemix_split.DivideMixSplitMixin`.
     """
 
-    lpa3_settings_class = DivideMixSettings
-    lpa3_settings: DivideMixSettings = DivideMixSettings()
-    lpa3_num_samples: int | None = None
-
     # ------------------------------------------------------------------ networks
-    def lpa3_networks(self) -> tuple[str, ...]:
-        return tuple(self.lpa3_settings.networks)
-
-    def dividemix_model(self, network: str) -> nn.Module:
-        """The network named ``network``; override (the ready module returns ``self.net1`` / ``self.net2``)."""
-        raise NotImplementedError("Return the network named `network` from `dividemix_model` (e.g. self.net1).")
-
     def lpa3_model(self, network: str | None = None) -> nn.Module:
         if network is None:
             raise ValueError(f"{type(self).__name__} has two networks {self.lpa3_networks()}; name one: "
@@ -138,130 +113,9 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             return None
         return torch.stack([p > self.lpa3_settings.threshold for p in probs.values()]).any(0)
 
-    def dividemix_phase(self, epoch: int) -> DivideMixPhase:
-        return "warmup" if epoch < self.lpa3_settings.warmup_epochs else "semi"
-
     def lpa3_consumes_augmented(self, epoch: int) -> bool:
         """DivideMix trains ``x'`` after its warm-up only (the callback solves nothing before)."""
         return epoch >= self.lpa3_settings.warmup_epochs
-
-    def dividemix_current_epoch(self) -> int:
-        """The trainer's epoch; without a trainer, the one last given to :meth:`dividemix_begin_epoch`."""
-        trainer = getattr(self, "_trainer", None)
-        return int(trainer.current_epoch) if trainer is not None else int(self._dm_state().get("epoch", 0))
-
-    def _dm_sizes(self) -> tuple[int, int]:
-        if self.lpa3_num_samples is None or self.lpa3_num_classes is None:
-            raise ValueError("DivideMix needs `lpa3_num_samples` (training set size) and `lpa3_num_classes` set on "
-                             "the module. Fix: set both in __init__ (the data module's num_train and num_classes).")
-        return int(self.lpa3_num_samples), int(self.lpa3_num_classes)
-
-    def _dm_state(self) -> dict[str, Any]:
-        # per-module state, kept out of nn.Module's attribute machinery
-        return self.__dict__.setdefault("_dividemix_state", {"clean_prob": {}, "history": {}, "guess": {}})
-
-    # ------------------------------------------------------------------ per epoch: co-divide
-    def dividemix_begin_epoch(self, epoch: int, loader: Any) -> None:
-        """In the semi phase, refresh both networks' clean probabilities with ``loader`` (the
-        training set's ``(x, x, noisy_label, index)`` batches, evaluation view), both before
-        either network trains this epoch."""
-        self._dm_state()["epoch"] = int(epoch)
-        if self.dividemix_phase(epoch) == "semi":
-            self.dividemix_refresh_split(loader)
-
-    @torch.no_grad()
-    def dividemix_per_sample_losses(self, loader: Any) -> dict[str, Tensor]:
-        """Each network's cross-entropy on the noisy label of every training sample (eval mode).
-
-        Under DDP every rank computes its share and the sums are all-reduced, so the losses (and
-        the GMM fitted on them) are the same on every rank.
-        """
-        num_samples, num_classes = self._dm_sizes()
-        names = self.lpa3_networks()
-        models = [self.dividemix_model(n) for n in names]
-        device = next(models[0].parameters()).device
-        sums = torch.zeros(len(names), num_samples, device=device)
-        counts = torch.zeros(num_samples, device=device)
-        label_sums = torch.zeros(num_samples, device=device)
-        modes = [m.training for m in models]
-        for m in models:
-            m.eval()
-        try:
-            for batch in loader:
-                x, _, y, idx = (t.to(device) for t in split_two_view_batch(batch))
-                check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
-                check_class_labels(y, num_classes, name="noisy labels")
-                for k, m in enumerate(models):
-                    loss = F.cross_entropy(self.lpa3_logits(m(x)).float(), y.long(), reduction="none")
-                    sums[k].index_add_(0, idx, loss)
-                counts.index_add_(0, idx, torch.ones_like(idx, dtype=counts.dtype))
-                label_sums.index_add_(0, idx, y.to(label_sums.dtype))
-        finally:
-            for m, mode in zip(models, modes):
-                m.train(mode)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
-            dist.all_reduce(counts)
-            dist.all_reduce(label_sums)
-        check_split_loader_covered(counts, "dividemix_begin_epoch")
-        # a sample seen twice (a padded distributed sampler) carries its one label twice
-        self._dm_state()["labels"] = (label_sums / counts).round().long().cpu()
-        return {n: sums[k] / counts for k, n in enumerate(names)}
-
-    def dividemix_refresh_split(self, loader: Any) -> dict[str, Tensor]:
-        """Per network, the probability ``(N,)`` that each label is clean (the GMM's low-loss posterior)."""
-        state = self._dm_state()
-        settings = self.lpa3_settings
-        losses = self.dividemix_per_sample_losses(loader)
-        for name, loss in losses.items():
-            history = state["history"].setdefault(name, [])
-            history.append(normalized_losses(loss).cpu())
-            del history[: max(0, len(history) - settings.loss_history)]
-            mean_loss = torch.stack(history).mean(0)
-            if settings.split_per_class:
-                state["clean_prob"][name] = clean_probability_per_class(mean_loss, state["labels"],
-                                                                        self._dm_sizes()[1], seed=settings.seed)
-            else:
-                state["clean_prob"][name] = clean_probability(mean_loss, seed=settings.seed)
-            if settings.stratified_split:
-                self._dm_hold_first_count(name, mean_loss)
-        return dict(state["clean_prob"])
-
-    def _dm_hold_first_count(self, name: str, mean_loss: Tensor) -> None:
-        """``stratified_split``: keep the first real split's count (one total, or one per class with
-        ``split_per_class``) and relabel ``name``'s rows by it."""
-        state = self._dm_state()
-        per_class_split = self.lpa3_settings.split_per_class
-        num_classes = self._dm_sizes()[1]
-        labeled = state["clean_prob"][name] > self.lpa3_settings.threshold
-        counts = state.setdefault("stratified_count", {})
-        if name not in counts:  # the first split's count, kept: later GMMs count the noisy rows the networks fitted
-            if per_class_split:
-                # each class its own count (where the classes' clean shares differ, one count shared by
-                # class size misfills them); a class with an empty side fixes nothing: wait for a real split
-                per_class = torch.bincount(state["labels"][labeled.cpu()], minlength=num_classes)
-                sizes = torch.bincount(state["labels"], minlength=num_classes)
-                present = sizes > 0
-                if bool(((per_class[present] > 0) & (per_class[present] < sizes[present])).all()):
-                    counts[name] = per_class.tolist()
-            elif 0 < (total := int(labeled.sum())) < len(mean_loss):  # a split with an empty side fixes nothing
-                counts[name] = total
-        if name not in counts:
-            return
-        if isinstance(counts[name], list) != per_class_split:
-            kept = "one count per class" if isinstance(counts[name], list) else "one total count"
-            raise ValueError(f"The DivideMix state holds {kept} for {name!r} (from a checkpoint), but "
-                             f"`dividemix.split_per_class` is {per_class_split}. Fix: resume with the "
-                             "`split_per_class` the checkpoint was trained with.")
-        state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"], num_classes, counts[name])
-
-    def dividemix_clean_probability(self, network: str) -> Tensor:
-        """The clean probabilities ``(N,)`` estimated by ``network``'s GMM."""
-        prob = self._dm_state()["clean_prob"].get(network)
-        if prob is None:
-            raise RuntimeError("The DivideMix split is not computed yet: call `dividemix_begin_epoch(epoch, loader)` "
-                               "at the start of every epoch (the ready DivideMixClassifier does).")
-        return prob
 
     def _dm_labeled(self, network: str, idx: Tensor) -> tuple[Tensor, Tensor]:
         """(labeled mask, w) of the rows ``idx`` for training ``network``: the other network's split."""
@@ -424,19 +278,3 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             for name in self.lpa3_networks():
                 self.dividemix_guess(batch, name)
         return {name: self.dividemix_loss(batch, name, batch_idx, batches_per_epoch) for name in self.lpa3_networks()}
-
-    # ------------------------------------------------------------------ checkpoint
-    def dividemix_state_dict(self) -> dict[str, Any]:
-        """The clean probabilities and loss histories (a resume continues on the same split)."""
-        state = self._dm_state()
-        return {"clean_prob": {k: v.cpu() for k, v in state["clean_prob"].items()},
-                "history": {k: [h.cpu() for h in v] for k, v in state["history"].items()},
-                "stratified_count": dict(state.get("stratified_count", {}))}
-
-    def dividemix_load_state_dict(self, saved: dict[str, Any]) -> None:
-        state = self._dm_state()
-        state["clean_prob"] = dict(saved.get("clean_prob", {}))
-        state["history"] = {k: list(v) for k, v in saved.get("history", {}).items()}
-        state["stratified_count"] = {k: [int(c) for c in v] if isinstance(v, (list, tuple)) else int(v)
-                                     for k, v in saved.get("stratified_count", {}).items()}
-        state["guess"] = {}
