@@ -18,7 +18,7 @@ Trials of the split (not options of the package; each reads only what training s
 semi-supervised phase alone; ``--balanced-split`` keeps the GMM's labeled count but spreads it
 evenly over the noisy classes (each class's lowest-loss rows); ``--freeze-count`` holds that
 count at the first split's. ``--stratified-split`` is the package's option that grew out of the
-last two (``DivideMixClassifier(stratified_split=True)``).
+last two (``DivideMixClassifier(dividemix={"stratified_split": True})``).
 
 Usage::
 
@@ -43,19 +43,19 @@ def main() -> None:
     add_run_arguments(parser)
     parser.add_argument("--lpa3", action="store_true", help="add LPA3Callback(ratio=0.9, sigma=0.02, steps=5)")
     parser.add_argument("--guess-bn-updates", action="store_true",
-                        help="DivideMixClassifier.dividemix_guess_bn_updates = True (the authors' BatchNorm handling)")
+                        help="DivideMixSettings.guess_bn_updates=True (the authors' BatchNorm handling)")
     parser.add_argument("--lr-drop-epoch", type=int, default=None,
                         help="DivideMixClassifier(lr_drop_epoch=): None drops at half the epochs, -1 never")
     parser.add_argument("--threshold", type=float, default=0.5,
-                        help="DivideMixClassifier(threshold=): clean probability above which a label is trusted")
+                        help="DivideMixSettings.threshold: clean probability above which a label is trusted")
     parser.add_argument("--alpha", type=float, default=4.0, help="mixup's Beta parameter (DivideMix: 4)")
-    parser.add_argument("--prior-weight", type=float, default=1.0, help="DivideMixClassifier(prior_weight=)")
+    parser.add_argument("--prior-weight", type=float, default=1.0, help="DivideMixSettings.prior_weight")
     parser.add_argument("--class-prior", type=float, nargs="+", default=None,
-                        help="DivideMixClassifier(class_prior=): the prior penalty's class frequencies")
+                        help="DivideMixSettings.class_prior: the prior penalty's class frequencies")
     parser.add_argument("--split-per-class", action="store_true",
-                        help="DivideMixClassifier(split_per_class=True): one Gaussian mixture per noisy class")
+                        help="DivideMixSettings.split_per_class=True: one Gaussian mixture per noisy class")
     parser.add_argument("--stratified-split", action="store_true",
-                        help="DivideMixClassifier(stratified_split=True): the first split's count, by class, lowest losses")
+                        help="DivideMixSettings.stratified_split=True: the first split's count, by class, lowest losses")
     parser.add_argument("--reference-epoch-length", action="store_true",
                         help="end each semi-supervised epoch after one pass over the labeled set (the reference's "
                              "epoch length) instead of a pass over the whole set")
@@ -94,7 +94,8 @@ def main() -> None:
         def on_train_batch_start(self, batch, batch_idx):
             if self.dividemix_phase(self.current_epoch) != "semi":
                 return None
-            labeled = max(int((w > self.dividemix_threshold).sum()) for w in self._dm_state()["clean_prob"].values())
+            threshold = self.lpa3_settings.threshold
+            labeled = max(int((w > threshold).sum()) for w in self._dm_state()["clean_prob"].values())
             return -1 if batch_idx >= -(-labeled // (args.batch_size // 2)) else None  # -1: Lightning ends the epoch
 
     module_class = ReferenceEpochLength if args.reference_epoch_length else DivideMixClassifier
@@ -125,7 +126,7 @@ def main() -> None:
                 classes = self.lpa3_num_classes
                 for name in self.lpa3_networks():
                     loss = torch.stack(state["history"][name]).mean(0)
-                    per_class = -(-int((state["clean_prob"][name] > self.dividemix_threshold).sum()) // classes)
+                    per_class = -(-int((state["clean_prob"][name] > self.lpa3_settings.threshold).sum()) // classes)
                     if args.freeze_count:
                         per_class = state.setdefault("first_count", {}).setdefault(name, per_class)
                     w = torch.zeros_like(loss)
@@ -137,10 +138,12 @@ def main() -> None:
 
         module_class = BalancedSplit
     module = module_class(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                          warmup_epochs=args.warmup, lambda_u=args.lambda_u, lr_drop_epoch=args.lr_drop_epoch,
-                          alpha=args.alpha, threshold=args.threshold, split_per_class=args.split_per_class,
-                          stratified_split=args.stratified_split, guess_bn_updates=args.guess_bn_updates,
-                          prior_weight=args.prior_weight, class_prior=args.class_prior)
+                          lr_drop_epoch=args.lr_drop_epoch,
+                          dividemix={"warmup_epochs": args.warmup, "lambda_u": args.lambda_u, "alpha": args.alpha,
+                                     "threshold": args.threshold, "split_per_class": args.split_per_class,
+                                     "stratified_split": args.stratified_split,
+                                     "guess_bn_updates": args.guess_bn_updates, "prior_weight": args.prior_weight,
+                                     "class_prior": args.class_prior})
     callbacks: list[Callback] = []
     if args.lpa3:
         callbacks.append(LPA3Callback(ratio=0.9, sigma=0.02, steps=5, warmup_epochs=args.warmup, seed=0))
@@ -152,7 +155,7 @@ def main() -> None:
                 w = pl_module._dm_state()["clean_prob"].get(name)
                 if w is None:
                     continue
-                labeled = w.cpu() > pl_module.dividemix_threshold
+                labeled = w.cpu() > pl_module.lpa3_settings.threshold
                 kept = int(labeled.sum())
                 precision = float(is_clean[labeled].float().mean()) if kept else float("nan")
                 recall = float(labeled[is_clean].float().mean())
@@ -172,7 +175,7 @@ def main() -> None:
                 for name in pl_module.lpa3_networks():
                     w = pl_module._dm_state()["clean_prob"].get(name)
                     if w is not None:
-                        labeled = w.cpu() > pl_module.dividemix_threshold
+                        labeled = w.cpu() > pl_module.lpa3_settings.threshold
                         counts = torch.bincount(noisy_labels[labeled], minlength=classes).tolist()
                         clean = torch.bincount(noisy_labels[labeled & is_clean], minlength=classes).tolist()
                         print(f"    {name} labeled per class {counts}, of them clean {clean}", flush=True)

@@ -11,7 +11,7 @@
                  8 steps an epoch
 Configurations:
   fixmatch              no callback (no twin BN)
-  fixmatch_lpa3_all     + LPA3Callback(ratio=0.9, steps=5), lpa3_solve_trained_only=False: x' solved
+  fixmatch_lpa3_all     + LPA3Callback(ratio=0.9, steps=5), fixmatch.solve_trained_only=False: x' solved
                         for every selected sample each step (the authors' cost)
   fixmatch_lpa3         the default: x' solved only where the LP-A3 term will weigh it (pseudo-label
                         confidence >= 0.9); the same loss
@@ -96,7 +96,8 @@ def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k"
                                       input_range="auto" if setting == "mnist5k" else None,
                                       cache={"regenerate_every_n_epochs": 10 if config.endswith("cached") else 1}))
     module = FixMatchClassifier(arch=arch, in_channels=shape[0], num_classes=10, twin_bn=lpa3,
-                                lpa3_loss_warmup_epochs=1, lpa3_solve_trained_only=config != "fixmatch_lpa3_all")
+                                fixmatch={"lpa3_loss_warmup_epochs": 1,
+                                          "solve_trained_only": config != "fixmatch_lpa3_all"})
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)

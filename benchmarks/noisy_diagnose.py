@@ -37,7 +37,7 @@ def main() -> None:
     add_run_arguments(parser)
     parser.add_argument("--sigma", type=float, default=0.02)
     parser.add_argument("--ratio", type=float, default=0.9)
-    parser.add_argument("--confidence", type=float, default=None, help="PESClassifier(lpa3_confidence=)")
+    parser.add_argument("--confidence", type=float, default=None, help="PESClassifier(pes={'lpa3_confidence': ...})")
     args = parser.parse_args()
 
     import torch
@@ -49,8 +49,8 @@ def main() -> None:
     clean = torch.as_tensor(data.clean_train_labels)
     noisy = torch.as_tensor(data.noisy_train_labels)
     module = PESClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                           early_epochs=args.warmup, refine_epochs=0, lambda_u=args.lambda_u,
-                           lpa3_confidence=args.confidence)
+                           pes={"early_epochs": args.warmup, "refine_epochs": 0, "lambda_u": args.lambda_u,
+                                "lpa3_confidence": args.confidence})
     lpa3 = LPA3Callback(ratio=args.ratio, sigma=args.sigma, steps=5, warmup_epochs=args.warmup, seed=0)
 
     class Watch(Callback):

@@ -10,13 +10,13 @@ time. ``ce`` is plain cross-entropy on the noisy labels with PES's optimiser (PE
 for the whole run); ``pes`` / ``dividemix`` are the ready modules with the CPU configs'
 schedule (``configs/noisy/``), ``*_lpa3`` the same with ``LPA3Callback`` (ratio 0.9, sigma 0.02,
 5 steps, attacks from the semi-supervised phase on); ``pes_lpa3_conf90`` (not run by default)
-attacks only the unlabeled samples whose guess is at least 0.9 sure (``lpa3_confidence=0.9``);
+attacks only the unlabeled samples whose guess is at least 0.9 sure (``pes.lpa3_confidence=0.9``);
 ``dividemix_pc`` / ``dividemix_pc_lpa3`` (not run by default) fit DivideMix's split per noisy class
-(``split_per_class=True``); ``dividemix_cp`` / ``dividemix_cp_lpa3`` (not run by default) give the
+(``dividemix.split_per_class=True``); ``dividemix_cp`` / ``dividemix_cp_lpa3`` (not run by default) give the
 prior penalty the training set's class shares (``class_prior``; the prevalence, which a user of
 an imbalanced medical set usually knows) instead of DivideMix's uniform prior;
 ``dividemix_st`` / ``dividemix_st_lpa3`` (not run by default) use the stratified split
-(``stratified_split=True``: the first split's labeled count, shared out by class, each class's
+(``dividemix.stratified_split=True``: the first split's labeled count, shared out by class, each class's
 lowest-loss rows); ``dividemix_st_cp`` / ``dividemix_st_cp_lpa3`` (not run by default) both the
 stratified split and the class-share prior; ``dividemix_pc_cp`` / ``dividemix_pc_cp_lpa3`` (not
 run by default) the mixture per class and the class-share prior; ``dividemix_pc_st*`` (not run by
@@ -60,7 +60,7 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
 
     common = {"arch": "small_cnn", "in_channels": data.in_channels, "num_classes": data.num_classes}
     if method == "ce":
-        return PESClassifier(**common, early_epochs=epochs, refine_epochs=0), None
+        return PESClassifier(**common, pes={"early_epochs": epochs, "refine_epochs": 0}), None
     # A method's name is its base and its options: lpa3 (the callback; sigma002: with the paper's
     # 10-class sigma 0.002 instead of this table's 0.02), conf90 (PES: x' only of the
     # unlabeled rows whose guess is >= 0.9 sure), pc (DivideMix's mixture per noisy class), cp (the
@@ -69,17 +69,17 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
     # class, lowest losses). The last three are ours.
     base, *options = method.split("_")
     if base == "pes":
-        module = PESClassifier(**common, early_epochs=warmup, refine_epochs=refine, lambda_u=lambda_u,
-                               lpa3_confidence=0.9 if "conf90" in options else None)
+        module = PESClassifier(**common, pes={"early_epochs": warmup, "refine_epochs": refine, "lambda_u": lambda_u,
+                                              "lpa3_confidence": 0.9 if "conf90" in options else None})
         start = warmup + refine
     else:
         prior = None
         if "cp" in options:
             counts = np.bincount(np.asarray(data.clean_train_labels), minlength=data.num_classes)
             prior = (counts / counts.sum()).tolist()
-        module = DivideMixClassifier(**common, warmup_epochs=warmup, lambda_u=lambda_u,
-                                     split_per_class="pc" in options, class_prior=prior,
-                                     stratified_split="st" in options)
+        module = DivideMixClassifier(**common, dividemix={"warmup_epochs": warmup, "lambda_u": lambda_u,
+                                                          "split_per_class": "pc" in options, "class_prior": prior,
+                                                          "stratified_split": "st" in options})
         start = warmup
     sigma = 0.002 if "sigma002" in options else 0.02
     callback = LPA3Callback(ratio=0.9, sigma=sigma, steps=5, warmup_epochs=start, seed=0) \

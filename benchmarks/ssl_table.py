@@ -89,7 +89,7 @@ class PseudoLabelTally:
         confidence, pseudo = self.seen.pop("pseudo")
         truth = self.true_labels[split_semi_supervised_batch(batch)[5].cpu()]
         right = pseudo.cpu() == truth
-        masked = confidence.cpu() >= self.module.fixmatch_threshold
+        masked = confidence.cpu() >= self.module.lpa3_settings.threshold
         t = self.totals
         t["steps"] += 1
         t["unlabeled"] += len(truth)
@@ -98,7 +98,7 @@ class PseudoLabelTally:
         augmented = self.seen.pop("augmented", None)
         if augmented is not None and len(augmented):
             positions = augmented.positions().cpu()
-            kept = confidence.cpu()[positions] >= self.module.lpa3_confidence_threshold
+            kept = confidence.cpu()[positions] >= self.module.lpa3_settings.lpa3_confidence_threshold
             t["xprime"] += len(augmented)
             t["kept"] += int(kept.sum())
             t["kept_right"] += int((kept & (augmented.targets.cpu() == truth[positions])).sum())
@@ -135,8 +135,9 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     data.setup("fit")
     data.setup("test")
     module = FixMatchClassifier(arch="small_cnn", in_channels=data.in_channels, num_classes=data.num_classes,
-                                lpa3_loss_warmup_epochs=lpa3_warmup, lpa3_solve_trained_only=solve_trained_only,
-                                lpa3_confidence_threshold=_threshold(lpa3_confidence))
+                                fixmatch={"lpa3_loss_warmup_epochs": lpa3_warmup,
+                                          "solve_trained_only": solve_trained_only,
+                                          "lpa3_confidence_threshold": _threshold(lpa3_confidence)})
     ema = EMAWeightAveraging(decay=0.999)
     pseudo_labels = PseudoLabelTally(module, data.train_base.labels)
 
@@ -189,7 +190,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "regenerate_every_n_epochs": regenerate, "final_raw_test_acc": curve.rows[-1]["raw_test_acc"],
               "num_workers": num_workers, "auto_max_step_fraction": AUTO_MAX_STEP_FRACTION,
               "solve_trained_only": solve_trained_only,
-              "lpa3_confidence": module.lpa3_confidence_threshold if method == "fixmatch_lpa3" else None}
+              "lpa3_confidence": module.lpa3_settings.lpa3_confidence_threshold if method == "fixmatch_lpa3" else None}
     write_result(path, result)
     return result
 
@@ -260,11 +261,11 @@ def main() -> None:
     parser.add_argument("--regenerate", type=int, default=1, help="regenerate_every_n_epochs (K) of the callback")
     parser.add_argument("--num-workers", type=int, default=0, help="data loader workers of each run")
     parser.add_argument("--solve-trained-only", action="store_true",
-                        help="FixMatchClassifier(lpa3_solve_trained_only=True), the package's default: solve only "
+                        help="fixmatch.solve_trained_only=True, the package's default: solve only "
                              "the x' the LP-A3 term weighs (the same loss). Without it the authors' cost, as the "
                              "tables in docs/results.md ran")
     parser.add_argument("--lpa3-confidence", type=float, default=None,
-                        help="FixMatchClassifier(lpa3_confidence_threshold=): the x' term's pseudo-label confidence "
+                        help="fixmatch.lpa3_confidence_threshold: the x' term's pseudo-label confidence "
                              "threshold; None: the module's default (0.9, the authors')")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
     sweep_arguments(parser, out=ROOT / "docs" / "ssl_runs")

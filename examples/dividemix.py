@@ -18,7 +18,7 @@ import torch
 from lpa3_lightning import LPA3Callback, convert_dual_bn
 from lpa3_lightning.data import NoisyLabelDataModule
 from lpa3_lightning.methods.noisy_training import whole_training_set_loader
-from lpa3_lightning.mixins import DivideMixLPA3Mixin
+from lpa3_lightning.mixins import DivideMixLPA3Mixin, DivideMixSettings
 from lpa3_lightning.models import small_cnn
 
 
@@ -29,13 +29,16 @@ class MyDivideMix(DivideMixLPA3Mixin, pl.LightningModule):  # 1. inherit the mix
         # two networks of one architecture, different initialisations, each with twin BatchNorms
         self.net1 = convert_dual_bn(small_cnn(in_channels=1, num_classes=num_classes))
         self.net2 = convert_dual_bn(small_cnn(in_channels=1, num_classes=num_classes))
-        # 2. the mixin's settings: without both sizes the split cannot be built
+        # 2. the data's sizes (without both the split cannot be built) and the mixin's settings, one
+        #    frozen dataclass (a misspelled field fails right here)
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_samples  # the split and each TCS memory are over the training set
-        self.dividemix_warmup_epochs = warmup_epochs  # authors: 10 on CIFAR-10, 30 on CIFAR-100
-        self.dividemix_lambda_u = lambda_u  # also the x' term's weight (dividemix_lpa3_weight=None)
+        self.lpa3_settings = DivideMixSettings(
+            warmup_epochs=warmup_epochs,  # authors: 10 on CIFAR-10, 30 on CIFAR-100
+            lambda_u=lambda_u,  # also the x' term's weight (lpa3_weight=None)
+        )
 
-    def dividemix_model(self, network):  # 3. the network of each name in dividemix_networks ("net1", "net2")
+    def dividemix_model(self, network):  # 3. the network of each name in lpa3_settings.networks ("net1", "net2")
         return self.net1 if network == "net1" else self.net2
 
     def forward(self, x):  # DivideMix predicts with both networks' logits added

@@ -19,7 +19,7 @@ import torch
 
 from lpa3_lightning import LPA3Callback, convert_dual_bn
 from lpa3_lightning.data import SemiSupervisedDataModule
-from lpa3_lightning.mixins import FixMatchLPA3Mixin
+from lpa3_lightning.mixins import FixMatchLPA3Mixin, FixMatchSettings
 from lpa3_lightning.models import small_cnn
 
 
@@ -30,12 +30,13 @@ class MyFixMatch(FixMatchLPA3Mixin, pl.LightningModule):  # 1. inherit the mixin
         # twin BatchNorms: the x' never move the running statistics used at test time
         self.net = convert_dual_bn(small_cnn(in_channels=1, num_classes=num_classes))
         self.lr = lr
-        # 2. the mixin's settings are plain attributes with its prefixes (a typo is refused at fit start)
+        # 2. the data's sizes, and the mixin's settings: one frozen dataclass (a misspelled field fails here)
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_unlabeled  # the TCS memory runs over the unlabeled set
-        self.lpa3_loss_warmup_epochs = loss_warmup_epochs  # default 5: far beyond a 3-epoch demo
-        self.lpa3_confidence_threshold = confidence_threshold  # the x' train only above it (authors: 0.9)
-        # fixmatch_threshold (0.95), fixmatch_lambda_u (1) and lpa3_weight (1) keep the papers' defaults
+        self.lpa3_settings = FixMatchSettings(
+            lpa3_loss_warmup_epochs=loss_warmup_epochs,  # default 5: far beyond a 3-epoch demo
+            lpa3_confidence_threshold=confidence_threshold,  # the x' train only above it (authors: 0.9)
+        )  # threshold (0.95), lambda_u (1) and lpa3_weight (1) keep the papers' defaults
 
     def lpa3_model(self):  # 3. the network the callback attacks and the loss forwards
         return self.net

@@ -18,7 +18,7 @@ import torch
 from lpa3_lightning import LPA3Callback, convert_dual_bn
 from lpa3_lightning.data import NoisyLabelDataModule
 from lpa3_lightning.methods.noisy_training import whole_training_set_loader
-from lpa3_lightning.mixins import PESLPA3Mixin
+from lpa3_lightning.mixins import PESLPA3Mixin, PESSettings
 from lpa3_lightning.models import small_cnn
 
 
@@ -29,12 +29,15 @@ class MyPES(PESLPA3Mixin, pl.LightningModule):  # 1. inherit the mixin (before L
         # 2. manual optimisation: PES switches optimizer by phase (SGD, then Adam on the head, then SGD)
         self.automatic_optimization = False
         self.net = convert_dual_bn(small_cnn(in_channels=1, num_classes=num_classes))
-        # 3. the mixin's settings: without both sizes the split cannot be built (refused at fit start)
+        # 3. the data's sizes (without both the split cannot be built: refused at fit start) and the
+        #    mixin's settings, one frozen dataclass (a misspelled field fails right here)
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_samples  # the split and the TCS memory are over the training set
-        self.pes_early_epochs = early_epochs  # T1 (authors: 20 on CIFAR-10)
-        self.pes_refine_epochs = refine_epochs  # T2 (authors: 5)
-        self.pes_lambda_u = lambda_u  # the x' term has this weight too (authors: 150; 25 on small sets)
+        self.lpa3_settings = PESSettings(
+            early_epochs=early_epochs,  # T1 (authors: 20 on CIFAR-10)
+            refine_epochs=refine_epochs,  # T2 (authors: 5)
+            lambda_u=lambda_u,  # the x' term has this weight too (authors: 150; 25 on small sets)
+        )
 
     def lpa3_model(self):  # 4. the network; pes_head() defaults to its last nn.Linear (here `fc`)
         return self.net
@@ -48,7 +51,7 @@ class MyPES(PESLPA3Mixin, pl.LightningModule):  # 1. inherit the mixin (before L
         #    training loader (it drops its last batch and, in the semi phase, draws balanced batches)
         whole_set = whole_training_set_loader(self.trainer, self.global_rank)  # (split across ranks under DDP)
         self.pes_begin_epoch(self.current_epoch, whole_set)
-        if self.current_epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
+        if self.current_epoch == self.lpa3_settings.early_epochs and self.lpa3_settings.refine_epochs > 0:
             sgd, _ = self.optimizers()
             for p in self.pes_head().parameters():  # the head was reset in place: drop its old momentum
                 sgd.optimizer.state.pop(p, None)
@@ -77,7 +80,7 @@ class MyPES(PESLPA3Mixin, pl.LightningModule):  # 1. inherit the mixin (before L
         # in the refine phase
         sgd = torch.optim.SGD(self.net.parameters(), lr=0.02, momentum=0.9, weight_decay=5e-4)
         adam = torch.optim.Adam(self.pes_head().parameters(), lr=1e-4)
-        epochs = max(1, self.trainer.max_epochs - self.pes_refine_epochs)
+        epochs = max(1, self.trainer.max_epochs - self.lpa3_settings.refine_epochs)
         cosine = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=epochs, eta_min=0.02 / 100)
         return [sgd, adam], [cosine]
 

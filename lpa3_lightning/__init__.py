@@ -24,18 +24,23 @@ __all__ = [
     "AugmentedBatch",
     "CacheSettings",
     "DivideMixClassifier",
+    "DivideMixSettings",
     "FixMatchClassifier",
     "FixMatchEMA",
+    "FixMatchSettings",
     "LPA3Callback",
     "LPA3Classifier",
     "LPA3Request",
+    "LPA3Settings",
     "LoggingSettings",
     "PESClassifier",
+    "PESSettings",
     "PerceptualFeatures",
     "RuntimeSettings",
     "SelectionSettings",
     "SolverSettings",
     "SolverGraphs",
+    "SupervisedSettings",
     "TimeConsistency",
     "augmented_logits",
     "convert_dual_bn",
@@ -52,6 +57,8 @@ __all__ = [
 
 
 _SETTINGS = ("CacheSettings", "LoggingSettings", "RuntimeSettings", "SelectionSettings", "SolverSettings")
+#: the mixins' settings (the ready modules' ``supervised=``, ``fixmatch=``, ``pes=``, ``dividemix=``)
+_MIXIN_SETTINGS = ("DivideMixSettings", "FixMatchSettings", "LPA3Settings", "PESSettings", "SupervisedSettings")
 
 
 def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping the core Lightning-free
@@ -59,6 +66,10 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
         from lpa3_lightning.callback import settings
 
         return getattr(settings, name)
+    if name in _MIXIN_SETTINGS:
+        from lpa3_lightning.methods import settings as mixin_settings
+
+        return getattr(mixin_settings, name)
     if name == "LPA3Callback":
         from lpa3_lightning.callback import LPA3Callback
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lpa3_lightning import LPA3Callback
 from lpa3_lightning.core.dual_bn import convert_dual_bn
-from lpa3_lightning.mixins import SupervisedLPA3Mixin
+from lpa3_lightning.mixins import SupervisedLPA3Mixin, SupervisedSettings
 from tests.helpers import indexed_images, reference_model
 
 SIGMA = 0.02
@@ -47,7 +47,7 @@ class Recorder(SupervisedLPA3Mixin, pl.LightningModule):
         super().__init__()
         self.model = convert_dual_bn(model) if twin_bn else model
         self.lpa3_num_classes = num_classes
-        self.lpa3_train_forward = train_forward  # type: ignore[assignment]
+        self.lpa3_settings = SupervisedSettings(train_forward=train_forward)  # type: ignore[arg-type]
         self.lr = lr
         self.records: list[dict[str, Any]] = []
 

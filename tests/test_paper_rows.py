@@ -1,20 +1,67 @@
-"""Every paper row's config against the reference's own values, typed from its code and run
-commands (file and line below), never from ``configs/*/make_configs.py``.
+"""Every paper row's config, as the CLI builds it, against the reference's own values, typed from its
+code and run commands (file and line below), never from ``configs/*/make_configs.py``.
+
+Each config is built as ``lpa3 fit --config`` builds it (``build_cli(..., run=False)``: the trainer,
+the module and the data module, no training), and the values compared are the effective ones: the
+module's ``lpa3_settings`` and hyper-parameters, the trainer's length, the data module's arguments
+and the built callbacks' settings. A config the CLI refuses fails its row.
 
 References (public snapshots):
 - LPA3: CausalLearning/LPA3 at 7059ca3, the LP-A3 authors' code (FixMatch/ and PES/, README.md).
+- PES: tmllab/PES at 5466238 (PES_semi.py), the code the LP-A3 authors' PES code builds on.
 - DivideMix: LiJunnan1992/DivideMix at d9d3058 (Train_cifar.py) and its paper's per-row settings.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
-import yaml
+import torch
+
+from lpa3_lightning import FixMatchEMA, LPA3Callback
+from lpa3_lightning.cli import build_cli
+from lpa3_lightning.mixins import DivideMixSettings, FixMatchSettings, PESSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SSL, NOISY = ROOT / "configs" / "ssl", ROOT / "configs" / "noisy"
+
+
+@pytest.fixture
+def build(tmp_path, monkeypatch):
+    """What ``lpa3 fit --config <path>`` builds (no training), run from a scratch folder so that the
+    configs' relative run folders land there; a config the CLI refuses fails the test."""
+    monkeypatch.chdir(tmp_path)
+
+    def built(path: Path) -> Any:
+        try:
+            return build_cli(["--config", str(path), "--trainer.default_root_dir", str(tmp_path)], run=False)
+        except SystemExit as exc:  # jsonargparse's refusal (printed above)
+            pytest.fail(f"{path.name}: the CLI refused the config ({exc})")
+
+    return built
+
+
+def _callback(cli: Any, cls: type) -> Any:
+    """The trainer's callback of class ``cls`` (None without one)."""
+    found = [c for c in cli.trainer.callbacks if isinstance(c, cls)]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def _ema_decay(ema: FixMatchEMA) -> float:
+    """The decay the built EMA applies: one update of an average at 1 towards weights at 0 leaves ``decay``."""
+    one, zero = torch.ones((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    return float(ema._kwargs["avg_fn"](one, zero, 1))
+
+
+def _compare(path: Path, got: dict, reference: dict) -> None:
+    """Each of ``reference``'s settings (value, citation) against the built value in ``got``."""
+    for key, (value, where) in reference.items():
+        assert got[key] == value, f"{path.name}: {key} = {got[key]!r}, the reference's is {value!r} ({where})"
+
 
 # ---------------------------------------------------------------- FixMatch (+ LP-A3)
 # setting -> (value, citation); shared by every FixMatch paper row
@@ -54,61 +101,37 @@ FIXMATCH_ROWS = {
 UNLABELED = {"cifar10": 50000, "cifar100": 50000, "stl10": 105000}
 
 
-def _load(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
-
-
-def _compare(path: Path, got: dict, reference: dict) -> None:
-    """Each of ``reference``'s settings (value, citation) against the config's value in ``got``."""
-    for key, (value, where) in reference.items():
-        assert got[key] == value, f"{path.name}: {key} = {got[key]!r}, the reference's is {value!r} ({where})"
-
-
-def _noisy_row(method: str, row: tuple[str, float], lpa3: bool) -> tuple[Path, dict, dict, dict]:
-    """(path, config, model init_args, data init_args) of a noisy-label row's config."""
-    source, rate = row
-    path = NOISY / f"{source}_sym{int(rate * 100)}_{method}{'_lpa3' if lpa3 else ''}.yaml"
-    config = _load(path)
-    return path, config, config["model"]["init_args"], config["data"]["init_args"]
-
-
-def _callback(config: dict, suffix: str) -> dict | None:
-    """The callback's init_args, with its ``solver`` group's keys (``lam``) read at the top level."""
-    for callback in config["trainer"]["callbacks"]:
-        if callback["class_path"].endswith(suffix):
-            args = dict(callback.get("init_args", {}))
-            return {**args, **args.pop("solver", {})}
-    return None
-
-
 @pytest.mark.parametrize("source, labels, lpa3", [(s, n, lpa3) for s, row in FIXMATCH_ROWS.items() for n in row[3]
                                                   for lpa3 in (False, True)])
-def test_each_fixmatch_row_is_the_authors_setting(source, labels, lpa3):
+def test_each_fixmatch_row_is_the_authors_setting(source, labels, lpa3, build):
     path = SSL / f"{source}_{labels}_{'fixmatch_lpa3' if lpa3 else 'fixmatch'}.yaml"
-    config = _load(path)
-    model, data = config["model"]["init_args"], config["data"]["init_args"]
-    ema = _callback(config, "FixMatchEMA")
-    got = {"max_steps": config["trainer"]["max_steps"], "lr": model["lr"], "momentum": model["momentum"],
-           "threshold": model["threshold"], "lambda_u": model["lambda_u"], "batch_size": data["batch_size"],
-           "mu": data["mu"], "ema_decay": ema["decay"], "ema_copies_buffers": ema["copy_buffers"],
-           "strong_augment": data["strong_augment"]}
+    cli = build(path)
+    model, data, settings = cli.model, cli.datamodule, cli.model.lpa3_settings
+    assert isinstance(settings, FixMatchSettings)
+    ema = _callback(cli, FixMatchEMA)
+    got = {"max_steps": cli.trainer.max_steps, "lr": model.hparams.lr, "momentum": model.hparams.momentum,
+           "threshold": settings.threshold, "lambda_u": settings.lambda_u, "batch_size": data.batch_size,
+           "mu": data.mu, "ema_decay": _ema_decay(ema), "ema_copies_buffers": ema.copy_buffers,
+           "strong_augment": data.strong_augment}
     _compare(path, got, FIXMATCH)
     arch, wd, sigma, _, where = FIXMATCH_ROWS[source]
-    assert (model["arch"], model["weight_decay"], data["source"], data["num_labels"]) == (arch, wd, source, labels), \
+    assert (model.hparams.arch, model.hparams.weight_decay, data.source, data.num_labels) == (arch, wd, source, labels), \
         where
-    callback = _callback(config, "LPA3Callback")
+    assert data.num_unlabeled == UNLABELED[source]
+    callback = _callback(cli, LPA3Callback)
     assert (callback is not None) == lpa3
     if lpa3:
-        steps_a_pass = -(-UNLABELED[source] // (data["mu"] * data["batch_size"]))
-        got = {"ratio": callback["ratio"], "lam": callback["lam"], "steps": callback["steps"],
-               "lpa3_confidence_threshold": model["lpa3_confidence_threshold"], "lpa3_weight": model["lpa3_weight"],
-               "lpa3_warmup_steps": model["lpa3_loss_warmup_epochs"] * steps_a_pass}
+        steps_a_pass = data.num_steps_per_epoch  # the module's epoch: one pass over the unlabeled set
+        assert steps_a_pass == -(-UNLABELED[source] // (data.mu * data.batch_size))
+        got = {"ratio": callback.ratio, "lam": callback.solver.lam, "steps": callback.steps,
+               "lpa3_confidence_threshold": settings.lpa3_confidence_threshold, "lpa3_weight": settings.lpa3_weight,
+               "lpa3_warmup_steps": settings.lpa3_loss_warmup_epochs * steps_a_pass}
         for key, (value, where) in FIXMATCH_LPA3.items():
             if key == "lpa3_warmup_steps":  # passes over the unlabeled set: the first whole pass after it
                 assert value <= got[key] < value + steps_a_pass, (path.name, key, got[key], where)
             else:
                 assert got[key] == value, f"{path.name}: {key} = {got[key]!r}, the reference's is {value!r} ({where})"
-        assert callback["sigma"] == sigma, where
+        assert callback.sigma == sigma, where
 
 
 # ---------------------------------------------------------------- PES (+ LP-A3)
@@ -122,6 +145,7 @@ PES = {
     "temperature": (0.5, "LPA3 PES/PES_LPA3.py:39"),
     "alpha": (4.0, "LPA3 PES/PES_LPA3.py:38"),
     "alpha_late": (0.75, "LPA3 PES/PES_LPA3.py:175-176"),
+    "class_weight_cap": (3.0, "LPA3 PES/PES_LPA3.py:333 (clamp(max=3)); tmllab/PES PES_semi.py:192"),
     "arch": ("preact_resnet18", "LPA3 PES/networks/ResNet.py (PreActResNet18)"),
     "crop_padding": ("zeros", "LPA3 PES/PES_LPA3.py:365 (RandomCrop(32, padding=4))"),
 }
@@ -141,23 +165,32 @@ PES_ROWS_WHERE = ("T1: LPA3 PES/PES_LPA3.py:361-362 (CIFAR-10), :374-375 (CIFAR-
                   "CIFAR-10 90% command (README.md:61)")
 
 
+def _noisy_row(method: str, row: tuple[str, float], lpa3: bool) -> Path:
+    source, rate = row
+    return NOISY / f"{source}_sym{int(rate * 100)}_{method}{'_lpa3' if lpa3 else ''}.yaml"
+
+
 @pytest.mark.parametrize("row, lpa3", [(row, lpa3) for row in PES_ROWS for lpa3 in (False, True)])
-def test_each_pes_row_is_the_authors_command(row, lpa3):
-    path, config, model, data = _noisy_row("pes", row, lpa3)
-    got = {"lr": model["lr"], "weight_decay": model["weight_decay"], "batch_size": data["batch_size"],
-           "epochs": config["trainer"]["max_epochs"], "refine_epochs": model["refine_epochs"],
-           "refine_lr": model["refine_lr"], "temperature": model["temperature"], "alpha": model["alpha"],
-           "alpha_late": model["alpha_late"], "arch": model["arch"], "crop_padding": data["crop_padding"]}
+def test_each_pes_row_is_the_authors_command(row, lpa3, build):
+    path = _noisy_row("pes", row, lpa3)
+    cli = build(path)
+    model, data, settings = cli.model, cli.datamodule, cli.model.lpa3_settings
+    assert isinstance(settings, PESSettings)
+    got = {"lr": model.hparams.lr, "weight_decay": model.hparams.weight_decay, "batch_size": data.batch_size,
+           "epochs": cli.trainer.max_epochs, "refine_epochs": settings.refine_epochs,
+           "refine_lr": model.hparams.refine_lr, "temperature": settings.temperature, "alpha": settings.alpha,
+           "alpha_late": settings.alpha_late, "class_weight_cap": settings.class_weight_cap,
+           "arch": model.hparams.arch, "crop_padding": data.crop_padding}
     _compare(path, got, PES)
     t1, lambda_plain, lambda_lpa3, sigma = PES_ROWS[row]
-    assert model["early_epochs"] == t1, PES_ROWS_WHERE
-    assert model["lambda_u"] == (lambda_lpa3 if lpa3 else lambda_plain), PES_ROWS_WHERE
-    assert (data["noise_mode"], data["noise_rate"]) == ("symmetric", row[1])
-    callback = _callback(config, "LPA3Callback")
+    assert settings.early_epochs == t1, PES_ROWS_WHERE
+    assert settings.lambda_u == (lambda_lpa3 if lpa3 else lambda_plain), PES_ROWS_WHERE
+    assert (data.noise_mode, data.noise_rate) == ("symmetric", row[1])
+    callback = _callback(cli, LPA3Callback)
     assert (callback is not None) == lpa3
     if lpa3:
-        _compare(path, callback, PES_LPA3)
-        assert callback["sigma"] == sigma, PES_ROWS_WHERE
+        _compare(path, {"steps": callback.steps, "lam": callback.solver.lam, "ratio": callback.ratio}, PES_LPA3)
+        assert callback.sigma == sigma, PES_ROWS_WHERE
 
 
 # ---------------------------------------------------------------- DivideMix (+ LP-A3)
@@ -188,17 +221,37 @@ DIVIDEMIX_ROWS_WHERE = ("warm-up: DivideMix Train_cifar.py:218-221; lambda_u and
 
 
 @pytest.mark.parametrize("row, lpa3", [(row, lpa3) for row in DIVIDEMIX_ROWS for lpa3 in (False, True)])
-def test_each_dividemix_row_is_dividemixs_setting(row, lpa3):
-    path, config, model, data = _noisy_row("dividemix", row, lpa3)
-    got = {"lr": model["lr"], "alpha": model["alpha"], "temperature": model["temperature"],
-           "epochs": config["trainer"]["max_epochs"], "weight_decay": model["weight_decay"],
-           "rampup_epochs": model["rampup_epochs"], "arch": model["arch"], "crop_padding": data["crop_padding"]}
+def test_each_dividemix_row_is_dividemixs_setting(row, lpa3, build):
+    path = _noisy_row("dividemix", row, lpa3)
+    cli = build(path)
+    model, data, settings = cli.model, cli.datamodule, cli.model.lpa3_settings
+    assert isinstance(settings, DivideMixSettings)
+    got = {"lr": model.hparams.lr, "alpha": settings.alpha, "temperature": settings.temperature,
+           "epochs": cli.trainer.max_epochs, "weight_decay": model.hparams.weight_decay,
+           "rampup_epochs": settings.rampup_epochs, "arch": model.hparams.arch, "crop_padding": data.crop_padding}
     _compare(path, got, DIVIDEMIX)
     warmup, lambda_u, threshold, history, sigma = DIVIDEMIX_ROWS[row]
-    assert (model["warmup_epochs"], model["lambda_u"], model["threshold"], model["loss_history"]) == \
+    assert (settings.warmup_epochs, settings.lambda_u, settings.threshold, settings.loss_history) == \
         (warmup, lambda_u, threshold, history), DIVIDEMIX_ROWS_WHERE
-    callback = _callback(config, "LPA3Callback")
+    callback = _callback(cli, LPA3Callback)
     assert (callback is not None) == lpa3
     if lpa3:
-        _compare(path, callback, DIVIDEMIX_LPA3)
-        assert callback["sigma"] == sigma, DIVIDEMIX_ROWS_WHERE
+        _compare(path, {"ratio": callback.ratio, "steps": callback.steps, "lam": callback.solver.lam}, DIVIDEMIX_LPA3)
+        assert callback.sigma == sigma, DIVIDEMIX_ROWS_WHERE
+
+
+# ---------------------------------------------------------------- the settings' defaults
+@pytest.mark.parametrize("cls, reference", [(FixMatchSettings, FIXMATCH), (FixMatchSettings, FIXMATCH_LPA3),
+                                            (PESSettings, PES), (DivideMixSettings, DIVIDEMIX)])
+def test_the_settings_defaults_are_the_references(cls, reference):
+    """A module of one's own that leaves a setting at its default runs the reference's value: each
+    table entry that is a field of the mixin's settings is its default (e.g. PES's class-weight cap)."""
+    defaults = cls()
+    names = {f.name for f in fields(cls)} & set(reference)
+    assert names, cls.__name__
+    for name in names:
+        value, where = reference[name]
+        assert getattr(defaults, name) == value, f"{cls.__name__}().{name} = {getattr(defaults, name)!r}, the " \
+                                                 f"reference's is {value!r} ({where})"
+    if cls is PESSettings:
+        assert PESSettings().class_weight_cap == PES["class_weight_cap"][0], PES["class_weight_cap"][1]

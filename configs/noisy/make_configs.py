@@ -93,14 +93,18 @@ def _pes_model(arch: str, classes: int, channels: int, early: int, refine: int, 
     momentum: 0.9
     weight_decay: 0.0005
     refine_lr: 0.0001
-    early_epochs: {early}
-    refine_epochs: {refine}
-    lambda_u: {lambda_u}
-    temperature: 0.5
-    alpha: 4.0
-    alpha_late: 0.75
-    rampup_epochs: 16.0
-    lpa3_mixup: true
+    pes:  # PESSettings: the phases, the MixMatch loss and the LP-A3 term
+      early_epochs: {early}
+      refine_epochs: {refine}
+      lambda_u: {lambda_u}
+      temperature: 0.5
+      alpha: 4.0
+      alpha_late: 0.75
+      alpha_late_epoch: null  # null: half of the epochs outside the refine phase (the authors' 150 of 300)
+      rampup_epochs: 16.0
+      class_weight_cap: 3.0
+      lpa3_mixup: true
+      lpa3_confidence: null  # null: every unlabeled row may be attacked (the authors')
     twin_bn: true
 """
 
@@ -119,21 +123,23 @@ def _dividemix_model(arch: str, classes: int, channels: int, warmup: int, lambda
     lr: 0.02
     momentum: 0.9
     weight_decay: 0.0005
-    warmup_epochs: {warmup}
-    lambda_u: {lambda_u}
-    threshold: {threshold}
-    temperature: 0.5
-    alpha: 4.0
-    rampup_epochs: 16.0
-    loss_history: {history}
-    negative_entropy: {str(negative_entropy).lower()}
-    lpa3_mixup: true
-    lpa3_weight: {"null" if lambda_u > 0 else LPA3_WEIGHT_WITHOUT_LAMBDA_U}
-    split_per_class: false  # true: one Gaussian mixture per noisy class (ours, not the authors')
-    stratified_split: {str(stratified).lower()}  # true: the first split's count, by class, lowest losses (ours, not the authors')
-    guess_bn_updates: false  # true: the guessing forwards move BatchNorm statistics, as the authors' code
-    prior_weight: 1.0  # 0 turns the prior penalty off
-    class_prior: {prior}
+    dividemix:  # DivideMixSettings: the warm-up, the co-divide, the MixMatch loss and the LP-A3 term
+      warmup_epochs: {warmup}
+      lambda_u: {lambda_u}
+      threshold: {threshold}
+      temperature: 0.5
+      alpha: 4.0
+      rampup_epochs: 16.0
+      loss_history: {history}
+      negative_entropy: {str(negative_entropy).lower()}
+      lpa3_mixup: true
+      lpa3_weight: {"null" if lambda_u > 0 else LPA3_WEIGHT_WITHOUT_LAMBDA_U}
+      seed: 0  # the Gaussian mixture's initialisation
+      split_per_class: false  # true: one Gaussian mixture per noisy class (ours, not the authors')
+      stratified_split: {str(stratified).lower()}  # true: the first split's count, by class, lowest losses (ours)
+      guess_bn_updates: false  # true: the guessing forwards move BatchNorm statistics, as the authors' code
+      prior_weight: 1.0  # 0 turns the prior penalty off
+      class_prior: {prior}
     twin_bn: true
 """
 

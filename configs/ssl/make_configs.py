@@ -23,7 +23,7 @@ row does not say which was run.
 Epochs: here an epoch is one pass over the unlabeled set (the TCS threshold is refreshed after
 each, as in the authors' code). The authors' public FixMatch code counts its epochs in blocks
 of 1024 steps and adds the LP-A3 term once more than 5 of them have passed (from step 6144 of
-2^18 steps, 2.3% of the run); ``lpa3_loss_warmup_epochs`` below is that many steps in passes
+2^18 steps, 2.3% of the run); ``fixmatch.lpa3_loss_warmup_epochs`` below is that many steps in passes
 (paper rows) or the same 2.3% share of the run (CPU rows).
 """
 
@@ -95,11 +95,14 @@ model:
     lr: 0.03
     momentum: 0.9
     weight_decay: {wd}
-    threshold: 0.95
-    lambda_u: 1.0
-    lpa3_confidence_threshold: 0.9
-    lpa3_weight: 1.0
-    lpa3_loss_warmup_epochs: {warmup}
+    fixmatch:  # FixMatchSettings: FixMatch's loss and the LP-A3 term
+      threshold: 0.95
+      lambda_u: 1.0
+      temperature: 1.0
+      lpa3_confidence_threshold: 0.9
+      lpa3_weight: 1.0
+      lpa3_loss_warmup_epochs: {warmup}
+      solve_trained_only: true  # false: solve every selected row, the authors' cost (the same loss)
     twin_bn: true
 data:
   class_path: lpa3_lightning.data.SemiSupervisedDataModule

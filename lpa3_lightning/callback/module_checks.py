@@ -1,5 +1,5 @@
 """The checks of a fit's start: the module speaks the LP-A3 protocol, has a network to attack,
-its settings are spelled right; the input box; the training set's size."""
+its settings are its mixin's; the input box; the training set's size."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ __all__ = ["check_module", "check_synced_batchnorm", "infer_num_samples", "input
 
 
 def check_module(module: Any, layers: Any, attack_bn: str) -> None:
-    """Refuse a module without the protocol, without a network to attack, with a misspelled mixin
-    setting, with feature layers it does not have, or without twins for ``attack_bn="twin"``.
+    """Refuse a module without the protocol, without a network to attack, with mixin settings of
+    another class, with feature layers it does not have, or without twins for ``attack_bn="twin"``.
 
     Raises:
         TypeError, ValueError: naming what is missing and the fix.
@@ -42,7 +42,7 @@ def check_module(module: Any, layers: Any, attack_bn: str) -> None:
         )
     check_settings = getattr(module, "lpa3_check_settings", None)
     if callable(check_settings):
-        check_settings()  # a misspelled mixin setting fails here, not after a run on the defaults
+        check_settings()  # settings of another class (or a dict) fail here, not at the first step
     model = unwrap_compiled(module.lpa3_model())
     resolve_layers(model, layers)  # fails early, listing the available layer names
     if attack_bn == "twin" and not has_dual_bn(model):

@@ -66,8 +66,8 @@ class SolverSettings:
     allow_tf32: bool = False
 
     def __post_init__(self) -> None:
-        check_number(self.lam, "solver.lam", "use 1.0 (the authors').")
-        check_number(self.temperature, "solver.temperature", "use 1.0.", positive=True)
+        check_number(self.lam, "solver.lam", "use 1.0 (the authors').", minimum=0)
+        check_number(self.temperature, "solver.temperature", "use 1.0.", above=0)
         check_max_step(self.max_step, "solver.max_step")
         check_choice(self.attack_bn, ("auto", "twin", "batch", "eval"), "solver.attack_bn", "use 'auto'.")
         for name in ("project", "fast", "allow_tf32"):

@@ -48,9 +48,9 @@ def _module_class(checkpoint: dict[str, Any]) -> type:
     hparams = checkpoint.get("hyper_parameters", {})
     if any(key.startswith("net1.") for key in checkpoint.get("state_dict", {})):
         return DivideMixClassifier
-    if "early_epochs" in hparams:
+    if "pes" in hparams:  # each ready module keeps its settings under the method's name
         return PESClassifier
-    if "lpa3_confidence_threshold" in hparams:
+    if "fixmatch" in hparams:
         return FixMatchClassifier
     return LPA3Classifier
 

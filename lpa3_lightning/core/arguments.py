@@ -49,14 +49,27 @@ def check_int(value: Any, name: str, low: int, fix: str) -> None:
         raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: {fix}")
 
 
-def check_number(value: Any, name: str, fix: str, *, positive: bool = False) -> float:
-    """Refuse anything but a finite number (not a bool) that is >= 0 (``positive``: > 0); return it as a float.
+def check_number(value: Any, name: str, fix: str, *, minimum: float | None = None, above: float | None = None,
+                 maximum: float | None = None, below: float | None = None) -> float:
+    """Refuse anything but a finite int or float (a bool is not one) within the given bounds
+    (``minimum <= value`` or ``above < value``, ``value <= maximum`` or ``value < below``); return it as a float.
 
     Raises:
-        ValueError: naming ``name``, the value and the fix.
+        ValueError: naming ``name``, the range, the value and the fix.
+
+    Example:
+        >>> check_number(0.5, "pes.temperature", "use 0.5.", above=0)
+        0.5
+        >>> check_number(0, "pes.temperature", "use 0.5.", above=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `pes.temperature` must be a finite number > 0, got 0. Fix: use 0.5.
     """
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and (value > 0 if positive else value >= 0)
-    if not ok:
-        raise ValueError(f"`{name}` must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}. Fix: {fix}")
+    bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", minimum), (">", above), ("<=", maximum), ("<", below))
+              if bound is not None]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (minimum is not None and value < minimum) or (above is not None and value <= above) \
+            or (maximum is not None and value > maximum) or (below is not None and value >= below):
+        where = " and ".join(bounds)
+        raise ValueError(f"`{name}` must be a finite number{' ' + where if where else ''}, got {value!r}. Fix: {fix}")
     return float(value)

@@ -80,10 +80,10 @@ def check_solver_arguments(sigma: float, steps: int, lam: float, temperature: fl
         ValueError: if ``sigma`` is not positive and finite, ``steps`` not an int >= 1,
             ``lam`` negative or not finite, or ``temperature`` not positive.
     """
-    check_number(sigma, "sigma", "use 0.002 to 0.02 (paper).", positive=True)
+    check_number(sigma, "sigma", "use 0.002 to 0.02 (paper).", above=0)
     check_int(steps, "steps", 1, "use 5 (the paper's T).")
-    check_number(lam, f"{prefix}lam", "use 1.0 (the authors').")
-    check_number(temperature, f"{prefix}temperature", "use 1.0 (plain softmax).", positive=True)
+    check_number(lam, f"{prefix}lam", "use 1.0 (the authors').", minimum=0)
+    check_number(temperature, f"{prefix}temperature", "use 1.0 (plain softmax).", above=0)
 
 
 def _check_arguments(model: nn.Module, x: Tensor, y: Tensor, sigma: float, steps: int, lam: float,

@@ -46,7 +46,7 @@ class LPA3Request:
             ``AugmentedBatch.skipped`` (for the loss's denominator) and its clean input still
             sets the twin statistics, so the loss is the one of solving every selected row, at
             the cost of the trained rows only, provided the module trains ``x'`` on the solver's
-            normalisation (``lpa3_train_forward="verified"``, the default; with ``"batch_stats"``
+            normalisation (``lpa3_settings.train_forward="verified"``, the default; with ``"batch_stats"``
             the ``x'`` batch's own statistics would change, so do not pass a mask there). A hint,
             not a filter the loss may rely on: every selected row is solved with a cache
             (``regenerate_every_n_epochs > 1``: a later epoch may reuse a row that is not trained

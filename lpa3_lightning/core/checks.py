@@ -1,7 +1,9 @@
-"""Checks of the per-sample tensors every stage receives: dataset indices and class labels (and a class prior).
+"""Checks of the per-sample tensors every stage receives: dataset indices and class labels (and a class prior);
+and of one field of a settings group (a bool, an int, a number in a range).
 
 One definition each, so the TCS memory, the callback and the mixins refuse the same input
-with the same message. No Lightning here: a plain PyTorch loop gets the same errors.
+with the same message, and the callback's and the mixins' settings name a bad field the same way
+(``group.field``). No Lightning here: a plain PyTorch loop gets the same errors.
 """
 
 from __future__ import annotations

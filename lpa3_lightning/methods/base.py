@@ -6,106 +6,25 @@ it calls :meth:`~LPA3ModuleMixin.lpa3_record_predictions` with its clean logits 
 the time-consistency memory, so no extra forward is spent on it),
 :meth:`~LPA3ModuleMixin.lpa3_take_augmented` to get the hard positives, and
 :meth:`~LPA3ModuleMixin.lpa3_forward_augmented` for their logits: the forward under which
-the solver verified that every ``x'`` keeps its label (the callback measures it there).
+the solver verified that every ``x'`` keeps its label (the callback measures it there). Each
+mixin reads its settings from one attribute, ``lpa3_settings``, a frozen dataclass of
+:mod:`lpa3_lightning.methods.settings`.
 """
 
 from __future__ import annotations
 
-import difflib
-import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
-from lpa3_lightning.core.augmented_forward import TrainForward, augmented_logits
+from lpa3_lightning.core.augmented_forward import augmented_logits
 from lpa3_lightning.core.model_outputs import output_to_logits
+from lpa3_lightning.methods.settings import LPA3Settings
 
-__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "check_mixin_settings",
-           "mixin_settings", "split_indexed_batch"]
-
-# packages whose classes define no user setting (their attributes are not checked for typos)
-_FRAMEWORK_PACKAGES = ("lpa3_lightning", "lightning", "pytorch_lightning", "torch", "torchmetrics", "builtins")
-
-
-def mixin_settings(cls: type) -> dict[str, str]:
-    """The settings of the LP-A3 mixins ``cls`` inherits (their public annotated class attributes,
-    e.g. ``pes_early_epochs``), each with the name of the mixin that declares it."""
-    settings: dict[str, str] = {}
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("lpa3_lightning.methods"):
-            for name in vars(klass).get("__annotations__", {}):
-                if not name.startswith("_"):
-                    settings.setdefault(name, klass.__name__)
-    return settings
-
-
-def _user_attributes(module: Any) -> dict[str, Any]:
-    """The data attributes a user gave the module: its own (``self.x = ...``) and those of its
-    classes outside the framework packages (``class M(...): x = 1``)."""
-    found = dict(vars(module))
-    for klass in type(module).__mro__:
-        if klass.__module__.split(".")[0] in _FRAMEWORK_PACKAGES:
-            continue
-        for name, value in vars(klass).items():
-            if not callable(value) and not isinstance(value, (property, staticmethod, classmethod)):
-                found.setdefault(name, value)
-    return found
-
-
-#: the prefixes of the mixins' settings; a name with one of them is meant as a setting
-_SETTING_PREFIXES = ("lpa3_", "fixmatch_", "pes_", "dividemix_")
-
-
-def _is_set(module: Any, name: str, attributes: dict[str, Any]) -> bool:
-    """Whether ``name`` is given by the module itself: an instance attribute, or a class attribute
-    or property of a class outside the framework packages."""
-    if name in attributes:
-        return True
-    return any(name in vars(klass) for klass in type(module).__mro__
-               if klass.__module__.split(".")[0] not in _FRAMEWORK_PACKAGES)
-
-
-def check_mixin_settings(module: Any) -> None:
-    """Refuse a misspelled mixin setting; warn once about a setting's name without its prefix.
-
-    A setting is an attribute the mixin reads (``pes_early_epochs``); an attribute of another
-    name is never read, so a typo would leave the default running without a word:
-
-    * a name with a mixin's prefix (``lpa3_``, ``fixmatch_``, ``pes_``, ``dividemix_``) that is
-      not a setting but within a small edit of one (``self.pes_early_epoch``) is refused;
-    * a setting's exact name without its prefix (``self.early_epochs`` for ``pes_early_epochs``)
-      gets one warning naming the setting, unless the module also sets that setting (then it is
-      taken for an attribute of the module's own).
-
-    Raises:
-        ValueError: naming the attribute, the setting it resembles and the fix.
-    """
-    settings = mixin_settings(type(module))
-    if not settings:
-        return
-    attributes = _user_attributes(module)
-    for name in attributes:
-        if name.startswith("_") or name in settings:
-            continue
-        if name.startswith(_SETTING_PREFIXES):
-            close = difflib.get_close_matches(name, list(settings), n=1, cutoff=0.85)
-            if close:
-                raise ValueError(
-                    f"{type(module).__name__}.{name} is not a setting of the LP-A3 mixins, so it would be ignored and "
-                    f"the default would run; did you mean `{close[0]}` ({settings[close[0]]})? Fix: set "
-                    f"`self.{close[0]} = ...` instead."
-                )
-            continue
-        unprefixed = [s for s in settings if s.split("_", 1)[-1] == name and not _is_set(module, s, attributes)]
-        if unprefixed:
-            names = " or ".join(f"`{s}` ({settings[s]})" for s in unprefixed)
-            warnings.warn(
-                f"{type(module).__name__}.{name} is not read by the LP-A3 mixins; if it was meant as {names}, the "
-                f"default runs instead. Fix: set `self.{unprefixed[0]} = ...` (if `{name}` is an attribute of your "
-                f"own, setting `{unprefixed[0]}` explicitly silences this).", UserWarning, stacklevel=3)
+__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "split_indexed_batch"]
 
 
 def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -158,15 +77,17 @@ class LPA3ModuleMixin:
     """Mixin for a LightningModule trained with :class:`~lpa3_lightning.LPA3Callback`.
 
     Attributes:
+        lpa3_settings: the mixin's settings, an instance of :attr:`lpa3_settings_class`
+            (:class:`~lpa3_lightning.methods.settings.LPA3Settings` here: ``train_forward``);
+            set ``self.lpa3_settings = LPA3Settings(...)`` in ``__init__`` to change them.
         lpa3_num_classes: number of classes of the model's logits (sizes the TCS memory);
-            set it in ``__init__``.
-        lpa3_train_forward: how :meth:`lpa3_forward_augmented` normalises ``x'``:
-            ``"verified"`` (default, the solver's normalisation, see
-            :mod:`lpa3_lightning.core.augmented_forward`) or ``"batch_stats"`` (the authors').
+            set it in ``__init__``. A fact about the data, not a setting.
     """
 
+    #: the class :attr:`lpa3_settings` must be an instance of (each mixin names its own)
+    lpa3_settings_class: ClassVar[type[LPA3Settings]] = LPA3Settings
+    lpa3_settings: LPA3Settings = LPA3Settings()
     lpa3_num_classes: int | None = None
-    lpa3_train_forward: TrainForward = "verified"
     _lpa3_augmented: AugmentedBatch | None = None
     _lpa3_predictions: tuple[Tensor, Tensor, Tensor | None] | None = None
     _lpa3_augmented_logits: Tensor | None = None
@@ -203,14 +124,22 @@ class LPA3ModuleMixin:
         return self  # type: ignore[return-value]
 
     def lpa3_check_settings(self) -> None:
-        """Refuse a misspelled or unprefixed mixin setting (:func:`check_mixin_settings`); the
-        callback calls it in ``setup``, and the mixins' loss methods on their first call."""
-        check_mixin_settings(self)
-        self.__dict__["_lpa3_settings_checked"] = True
+        """Refuse an :attr:`lpa3_settings` that is not an instance of this mixin's settings class
+        (the fields themselves were validated when it was built). The callback calls it in
+        ``setup``, and the mixins' losses on every call (an ``isinstance``: it also catches
+        settings replaced after the first step).
 
-    def _lpa3_check_settings_once(self) -> None:
-        if not self.__dict__.get("_lpa3_settings_checked"):
-            self.lpa3_check_settings()
+        Raises:
+            TypeError: naming the expected class and the fix.
+        """
+        expected = self.lpa3_settings_class
+        settings = getattr(self, "lpa3_settings", None)
+        if not isinstance(settings, expected):
+            raise TypeError(
+                f"{type(self).__name__}.lpa3_settings must be a {expected.__name__}, got {type(settings).__name__}"
+                f" ({settings!r}). Fix: set `self.lpa3_settings = {expected.__name__}(...)` in __init__ (from "
+                "lpa3_lightning.mixins); its fields are the mixin's settings (docs/mixins.md)."
+            )
 
     def lpa3_consumes_augmented(self, epoch: int) -> bool:
         """Whether this module's loss trains ``x'`` in ``epoch`` (default: always).
@@ -270,7 +199,7 @@ class LPA3ModuleMixin:
 
         Uses :func:`~lpa3_lightning.core.augmented_forward.augmented_logits` with the batch's BN
         mode, the clean selected samples (twins: reference-batch normalisation) or the
-        running-statistics snapshot, and :attr:`lpa3_train_forward`; the logits are
+        running-statistics snapshot, and ``lpa3_settings.train_forward``; the logits are
         handed to the callback, which measures ``lpa3/label_preserved`` in this very forward.
         With several networks the batch's own (``augmented.network``) is used.
         """
@@ -280,7 +209,7 @@ class LPA3ModuleMixin:
             model, augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
             bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
             logits_fn=self.lpa3_logits,
-            train_forward=self.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
+            train_forward=self.lpa3_settings.train_forward, allow_tf32=augmented.allow_tf32,
         )
         self._lpa3_set_slot("_lpa3_augmented_logits", network, logits.detach())
         return logits

@@ -2,16 +2,14 @@
 
 DivideMix trains two networks on noisy labels:
 
-1. ``"warmup"`` (``dividemix_warmup_epochs``): each network with cross-entropy on the noisy
+1. ``"warmup"`` (``warmup_epochs``): each network with cross-entropy on the noisy
    labels (plus the negative-entropy penalty for asymmetric noise,
-   ``dividemix_negative_entropy``); here the first network trains on each batch's first view,
+   ``negative_entropy``); here the first network trains on each batch's first view,
    the second on its second view.
-2. ``"semi"``: at the start of every epoch each network's per-sample cross-entropy on the noisy
-   labels (eval mode, the evaluation view), min-max normalised (averaged over the last
-   ``dividemix_loss_history`` epochs; the authors use 5 at 90% noise, 1 otherwise), is fitted by a
-   two-component Gaussian mixture, and the posterior ``w`` of its low-loss component is the
-   probability that a label is clean (:func:`~lpa3_lightning.methods.dividemix_parts.clean_probability`). Each
-   network trains with the split of the *other* (co-divide): ``w > dividemix_threshold``
+2. ``"semi"``: at the start of every epoch each network's per-sample losses on the noisy labels
+   are fitted by a two-component Gaussian mixture, whose low-loss posterior ``w`` is the
+   probability that a label is clean (:mod:`lpa3_lightning.methods.dividemix_split`). Each
+   network trains with the split of the *other* (co-divide): ``w > threshold``
    labeled, the rest unlabeled. A labeled target is co-refined with the network's own mean
    prediction over both views, ``sharpen(w y + (1 - w) p)``; an unlabeled target is co-guessed by
    both networks over both views; all four view sets are mixed up with one permutation; the loss
@@ -39,50 +37,35 @@ as many unlabeled samples, and :meth:`noisy_split_mask` lets the data module do 
 (``NoisyLabelDataModule(balance_split=True)``, the default: half of each batch from the samples
 labeled for either network, half from the rest, for a pass's number of steps). The guessing forwards
 leave the BatchNorm running statistics alone (the authors' move them;
-``dividemix_guess_bn_updates=True`` does as they do). The GMM's initialisation
+``guess_bn_updates=True`` does as they do). The GMM's initialisation
 is seeded (theirs is not). A split with fewer than two labeled or unlabeled samples is kept
-(the authors' code crashes on an empty unlabeled set): its empty part contributes zero.
+(the authors' code crashes on an empty unlabeled set): its empty part contributes zero. The
+settings named here are the fields of :class:`~lpa3_lightning.methods.settings.DivideMixSettings`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
-from lpa3_lightning.core.checks import (
-    check_class_labels,
-    check_class_prior,
-    check_dataset_indices,
-    check_split_loader_covered,
-)
+from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices
 from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_rank
-from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
-from lpa3_lightning.methods.dividemix_parts import (
-    clean_probability,
-    clean_probability_per_class,
-    co_guess,
-    co_refine,
-    negative_entropy,
-    normalized_losses,
-    prior_penalty,
-    stratified_selection,
-)
+from lpa3_lightning.methods.base import BatchNormStatisticsFrozen
+from lpa3_lightning.methods.dividemix_parts import co_guess, co_refine, negative_entropy, prior_penalty
+from lpa3_lightning.methods.dividemix_split import DivideMixPhase, DivideMixSplitMixin
 from lpa3_lightning.methods.mixmatch import linear_rampup, mixup, mixup_lambda, probability_mse, soft_cross_entropy
 from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.methods.pes import split_two_view_batch
 
-__all__ = ["DivideMixLPA3Mixin"]
-
-DivideMixPhase = Literal["warmup", "semi"]
+__all__ = ["DivideMixLPA3Mixin", "DivideMixPhase"]
 
 
-class DivideMixLPA3Mixin(LPA3ModuleMixin):
+class DivideMixLPA3Mixin(DivideMixSplitMixin):
     """DivideMix's co-divide and MixMatch loss for two networks, with LP-A3 hard positives for each.
 
     Set :attr:`lpa3_num_classes` and :attr:`lpa3_num_samples` (training-set size), return the two
@@ -92,73 +75,18 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
     training forward; the ready :class:`~lpa3_lightning.DivideMixClassifier` does it all).
 
     Attributes:
-        dividemix_networks: the two networks' names (``("net1", "net2")``).
-        dividemix_warmup_epochs: cross-entropy epochs (authors: 10 on CIFAR-10, 30 on CIFAR-100).
-        dividemix_lambda_u: unlabeled weight after the ramp (authors: 0-150 by noise level).
-        dividemix_threshold: clean-probability threshold of the split (0.5; 0.6 at 90% noise).
-        dividemix_temperature: sharpening temperature (0.5).
-        dividemix_alpha: mixup's Beta parameter (4).
-        dividemix_rampup_epochs: ramp length of the unlabeled weight (16), from the warm-up's end.
-        dividemix_loss_history: epochs of normalised losses averaged for the GMM (1; 5 at 90%).
-        dividemix_negative_entropy: add the negative-entropy penalty in the warm-up (asymmetric noise).
-        dividemix_lpa3_mixup: mix the ``x'`` up with the labeled views (True) or train them unmixed.
-        dividemix_lpa3_weight: weight of the ``x'`` term after the ramp; None (default) uses
-            ``dividemix_lambda_u``, as PES's LP-A3 does. Rows with ``lambda_u = 0`` (DivideMix's
-            CIFAR-10 asymmetric and 20% rows) need a weight of their own, or the ``x'`` train nothing.
-        dividemix_seed: seed of the GMM's initialisation.
-        dividemix_split_per_class: fit the Gaussian mixture once per noisy class
-            (:func:`~lpa3_lightning.methods.dividemix_parts.clean_probability_per_class`; ours, not the
-            authors'); False (default): one mixture over the whole set, as the authors.
-        dividemix_stratified_split: after the GMM, label as clean the same number of rows as its
-            first split did, shared out over the noisy classes in proportion to their sizes, each
-            class's lowest-loss rows (``w`` = 1 there, 0 elsewhere;
-            :func:`~lpa3_lightning.methods.dividemix_parts.stratified_selection`); the count is fixed at the
-            first semi-supervised epoch's. Ours, not the authors' (measured in the project's
-            results: at 80% noise the GMM's labeled count grows as the networks fit the noisy
-            rows they were given, and one threshold starves the hard classes). Until a GMM split
-            has both a labeled and an unlabeled row, its posterior is used as is. With
-            ``dividemix_split_per_class`` each class keeps the count of its own first mixture
-            instead, from the first split where every class has both sides (for classes whose
-            clean shares differ, e.g. a flip of imbalanced binary labels). False (default): the
-            GMM's posterior, as the authors.
-        dividemix_prior_weight: weight of the prior penalty (1, the authors'; 0 turns it off).
-        dividemix_class_prior: the penalty's class frequencies (``C`` numbers summing to 1); None
-            (default): uniform, as the authors (right for balanced classes).
-        dividemix_guess_bn_updates: let the guessing and refinement forwards (train mode, no
-            gradient) move the BatchNorm running statistics, as the authors' code does (True);
-            False (default, the earlier behaviour): only the mixed training forward moves them.
+        lpa3_settings: a :class:`~lpa3_lightning.methods.settings.DivideMixSettings` (the networks'
+            names, the warm-up, the MixMatch weights, the split's options, the prior penalty, the
+            ``x'`` options; its docstring gives each default and its source); set
+            ``self.lpa3_settings = DivideMixSettings(...)``. Declared, with ``lpa3_num_samples``
+            (the training-set size, a fact about the data), by the co-divide base
+            :class:`~lpa3_lightning.methods.dividemix_split.DivideMixSplitMixin`.
     """
 
-    dividemix_networks: tuple[str, str] = ("net1", "net2")
-    dividemix_warmup_epochs: int = 10
-    dividemix_lambda_u: float = 25.0
-    dividemix_threshold: float = 0.5
-    dividemix_temperature: float = 0.5
-    dividemix_alpha: float = 4.0
-    dividemix_rampup_epochs: float = 16.0
-    dividemix_loss_history: int = 1
-    dividemix_negative_entropy: bool = False
-    dividemix_lpa3_mixup: bool = True
-    dividemix_lpa3_weight: float | None = None
-    dividemix_seed: int = 0
-    dividemix_guess_bn_updates: bool = False
-    dividemix_split_per_class: bool = False
-    dividemix_stratified_split: bool = False
-    dividemix_prior_weight: float = 1.0
-    dividemix_class_prior: tuple[float, ...] | None = None
-    lpa3_num_samples: int | None = None
-
     # ------------------------------------------------------------------ networks
-    def lpa3_networks(self) -> tuple[str, ...]:
-        return tuple(self.dividemix_networks)
-
-    def dividemix_model(self, network: str) -> nn.Module:
-        """The network named ``network``; override (the ready module returns ``self.net1`` / ``self.net2``)."""
-        raise NotImplementedError("Return the network named `network` from `dividemix_model` (e.g. self.net1).")
-
     def lpa3_model(self, network: str | None = None) -> nn.Module:
         if network is None:
-            raise ValueError(f"{type(self).__name__} has two networks {self.dividemix_networks}; name one: "
+            raise ValueError(f"{type(self).__name__} has two networks {self.lpa3_networks()}; name one: "
                              "`lpa3_model(network='net1')`.")
         self._dm_check_name(network)
         return self.dividemix_model(network)
@@ -169,7 +97,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         return second if network == first else first
 
     def _dm_check_name(self, network: str) -> tuple[str, str]:
-        names = tuple(self.dividemix_networks)
+        names = self.lpa3_networks()
         if len(names) != 2 or network not in names:
             raise ValueError(f"DivideMix has the networks {names}, got network={network!r}.")
         return names  # type: ignore[return-value]
@@ -183,135 +111,16 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         probs = self._dm_state()["clean_prob"]
         if self.dividemix_phase(self.dividemix_current_epoch()) != "semi" or len(probs) < 2:
             return None
-        return torch.stack([p > self.dividemix_threshold for p in probs.values()]).any(0)
-
-    def dividemix_phase(self, epoch: int) -> DivideMixPhase:
-        return "warmup" if epoch < self.dividemix_warmup_epochs else "semi"
+        return torch.stack([p > self.lpa3_settings.threshold for p in probs.values()]).any(0)
 
     def lpa3_consumes_augmented(self, epoch: int) -> bool:
         """DivideMix trains ``x'`` after its warm-up only (the callback solves nothing before)."""
-        return epoch >= self.dividemix_warmup_epochs
-
-    def dividemix_current_epoch(self) -> int:
-        """The trainer's epoch; without a trainer, the one last given to :meth:`dividemix_begin_epoch`."""
-        trainer = getattr(self, "_trainer", None)
-        return int(trainer.current_epoch) if trainer is not None else int(self._dm_state().get("epoch", 0))
-
-    def _dm_sizes(self) -> tuple[int, int]:
-        if self.lpa3_num_samples is None or self.lpa3_num_classes is None:
-            raise ValueError("DivideMix needs `lpa3_num_samples` (training set size) and `lpa3_num_classes` set on "
-                             "the module. Fix: set both in __init__ (the data module's num_train and num_classes).")
-        return int(self.lpa3_num_samples), int(self.lpa3_num_classes)
-
-    def _dm_state(self) -> dict[str, Any]:
-        # per-module state, kept out of nn.Module's attribute machinery
-        return self.__dict__.setdefault("_dividemix_state", {"clean_prob": {}, "history": {}, "guess": {}})
-
-    # ------------------------------------------------------------------ per epoch: co-divide
-    def dividemix_begin_epoch(self, epoch: int, loader: Any) -> None:
-        """In the semi phase, refresh both networks' clean probabilities with ``loader`` (the
-        training set's ``(x, x, noisy_label, index)`` batches, evaluation view), both before
-        either network trains this epoch."""
-        self._dm_state()["epoch"] = int(epoch)
-        if self.dividemix_phase(epoch) == "semi":
-            self.dividemix_refresh_split(loader)
-
-    @torch.no_grad()
-    def dividemix_per_sample_losses(self, loader: Any) -> dict[str, Tensor]:
-        """Each network's cross-entropy on the noisy label of every training sample (eval mode).
-
-        Under DDP every rank computes its share and the sums are all-reduced, so the losses (and
-        the GMM fitted on them) are the same on every rank.
-        """
-        num_samples, num_classes = self._dm_sizes()
-        names = self.lpa3_networks()
-        models = [self.dividemix_model(n) for n in names]
-        device = next(models[0].parameters()).device
-        sums = torch.zeros(len(names), num_samples, device=device)
-        counts = torch.zeros(num_samples, device=device)
-        label_sums = torch.zeros(num_samples, device=device)
-        modes = [m.training for m in models]
-        for m in models:
-            m.eval()
-        try:
-            for batch in loader:
-                x, _, y, idx = (t.to(device) for t in split_two_view_batch(batch))
-                check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
-                check_class_labels(y, num_classes, name="noisy labels")
-                for k, m in enumerate(models):
-                    loss = F.cross_entropy(self.lpa3_logits(m(x)).float(), y.long(), reduction="none")
-                    sums[k].index_add_(0, idx, loss)
-                counts.index_add_(0, idx, torch.ones_like(idx, dtype=counts.dtype))
-                label_sums.index_add_(0, idx, y.to(label_sums.dtype))
-        finally:
-            for m, mode in zip(models, modes):
-                m.train(mode)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
-            dist.all_reduce(counts)
-            dist.all_reduce(label_sums)
-        check_split_loader_covered(counts, "dividemix_begin_epoch")
-        # a sample seen twice (a padded distributed sampler) carries its one label twice
-        self._dm_state()["labels"] = (label_sums / counts).round().long().cpu()
-        return {n: sums[k] / counts for k, n in enumerate(names)}
-
-    def dividemix_refresh_split(self, loader: Any) -> dict[str, Tensor]:
-        """Per network, the probability ``(N,)`` that each label is clean (the GMM's low-loss posterior)."""
-        state = self._dm_state()
-        losses = self.dividemix_per_sample_losses(loader)
-        for name, loss in losses.items():
-            history = state["history"].setdefault(name, [])
-            history.append(normalized_losses(loss).cpu())
-            del history[: max(0, len(history) - self.dividemix_loss_history)]
-            mean_loss = torch.stack(history).mean(0)
-            if self.dividemix_split_per_class:
-                state["clean_prob"][name] = clean_probability_per_class(mean_loss, state["labels"],
-                                                                        self._dm_sizes()[1], seed=self.dividemix_seed)
-            else:
-                state["clean_prob"][name] = clean_probability(mean_loss, seed=self.dividemix_seed)
-            if self.dividemix_stratified_split:
-                self._dm_hold_first_count(name, mean_loss)
-        return dict(state["clean_prob"])
-
-    def _dm_hold_first_count(self, name: str, mean_loss: Tensor) -> None:
-        """``dividemix_stratified_split``: keep the first real split's count (one total, or one per
-        class with ``dividemix_split_per_class``) and relabel ``name``'s rows by it."""
-        state = self._dm_state()
-        num_classes = self._dm_sizes()[1]
-        labeled = state["clean_prob"][name] > self.dividemix_threshold
-        counts = state.setdefault("stratified_count", {})
-        if name not in counts:  # the first split's count, kept: later GMMs count the noisy rows the networks fitted
-            if self.dividemix_split_per_class:
-                # each class its own count (where the classes' clean shares differ, one count shared by
-                # class size misfills them); a class with an empty side fixes nothing: wait for a real split
-                per_class = torch.bincount(state["labels"][labeled.cpu()], minlength=num_classes)
-                sizes = torch.bincount(state["labels"], minlength=num_classes)
-                present = sizes > 0
-                if bool(((per_class[present] > 0) & (per_class[present] < sizes[present])).all()):
-                    counts[name] = per_class.tolist()
-            elif 0 < (total := int(labeled.sum())) < len(mean_loss):  # a split with an empty side fixes nothing
-                counts[name] = total
-        if name not in counts:
-            return
-        if isinstance(counts[name], list) != self.dividemix_split_per_class:
-            kept = "one count per class" if isinstance(counts[name], list) else "one total count"
-            raise ValueError(f"The DivideMix state holds {kept} for {name!r} (from a checkpoint), but "
-                             f"`split_per_class` is {self.dividemix_split_per_class}. Fix: resume with the "
-                             "`split_per_class` the checkpoint was trained with.")
-        state["clean_prob"][name] = stratified_selection(mean_loss, state["labels"], num_classes, counts[name])
-
-    def dividemix_clean_probability(self, network: str) -> Tensor:
-        """The clean probabilities ``(N,)`` estimated by ``network``'s GMM."""
-        prob = self._dm_state()["clean_prob"].get(network)
-        if prob is None:
-            raise RuntimeError("The DivideMix split is not computed yet: call `dividemix_begin_epoch(epoch, loader)` "
-                               "at the start of every epoch (the ready DivideMixClassifier does).")
-        return prob
+        return epoch >= self.lpa3_settings.warmup_epochs
 
     def _dm_labeled(self, network: str, idx: Tensor) -> tuple[Tensor, Tensor]:
         """(labeled mask, w) of the rows ``idx`` for training ``network``: the other network's split."""
         w = self.dividemix_clean_probability(self.dividemix_other(network)).to(idx.device)[idx]
-        return w > self.dividemix_threshold, w
+        return w > self.lpa3_settings.threshold, w
 
     # ------------------------------------------------------------------ guesses
     @torch.no_grad()
@@ -343,25 +152,35 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             n = u1.shape[0]
             p_own, p_other = torch.softmax(logits_own, 1), torch.softmax(logits_other, 1)
             guess = co_guess(torch.stack([p_own[:n], p_own[n:]]), torch.stack([p_other[:n], p_other[n:]]),
-                             self.dividemix_temperature)
+                             self.lpa3_settings.temperature)
             logits_u1 = logits_own[:n]
         self._dm_state()["guess"][network] = (x1, guess, logits_u1)
         return guess
 
     def _dm_guess_bn(self, model: nn.Module) -> Any:
-        """The BatchNorm handling of a guessing or refinement forward (see ``dividemix_guess_bn_updates``)."""
-        return contextlib.nullcontext() if self.dividemix_guess_bn_updates else BatchNormStatisticsFrozen(model)
+        """The BatchNorm handling of a guessing or refinement forward (see ``guess_bn_updates``)."""
+        return contextlib.nullcontext() if self.lpa3_settings.guess_bn_updates else BatchNormStatisticsFrozen(model)
 
     def _dm_prior(self, device: torch.device) -> Tensor | None:
-        """The prior penalty's class frequencies on ``device`` (None: uniform), checked and built
-        once per setting (prior, number of classes) and device, not every step."""
-        if self.dividemix_class_prior is None:
+        """The prior penalty's class frequencies on ``device`` (None: uniform), built once per
+        setting (prior, number of classes) and device, not every step. Their values were checked
+        by :class:`~lpa3_lightning.methods.settings.DivideMixSettings`; their number is checked here
+        against the module's classes.
+
+        Raises:
+            ValueError: if ``class_prior`` does not hold one frequency per class.
+        """
+        prior = self.lpa3_settings.class_prior
+        if prior is None:
             return None
-        key = (tuple(self.dividemix_class_prior), self._dm_sizes()[1], str(device))
+        num_classes = self._dm_sizes()[1]
+        key = (tuple(prior), num_classes, str(device))
         cached = self._dm_state().get("prior")
         if cached is None or cached[0] != key:
-            values = check_class_prior(self.dividemix_class_prior, self._dm_sizes()[1], name="dividemix_class_prior")
-            cached = (key, torch.tensor(values, dtype=torch.float32, device=device))
+            if len(prior) != num_classes:
+                raise ValueError(f"`dividemix.class_prior` holds {len(prior)} class frequencies, but the module has "
+                                 f"lpa3_num_classes={num_classes}. Fix: one frequency per class, or None (uniform).")
+            cached = (key, torch.tensor(prior, dtype=torch.float32, device=device))
             self._dm_state()["prior"] = cached
         return cached[1]
 
@@ -390,7 +209,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``, ``loss_prior``,
             ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share`` and ``num_augmented``.
         """
-        self._lpa3_check_settings_once()
+        self.lpa3_check_settings()
+        settings = self.lpa3_settings
         x1, x2, y, idx = split_two_view_batch(batch)
         num_samples, num_classes = self._dm_sizes()
         check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
@@ -403,7 +223,7 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
             logits = self.lpa3_logits(model(x1 if network == first else x2))
             self.lpa3_record_predictions(idx, logits, network=network)
             loss = F.cross_entropy(logits, y.long())
-            if self.dividemix_negative_entropy:
+            if settings.negative_entropy:
                 loss = loss + negative_entropy(logits)
             # no x' is trained in the warm-up: left untaken, so the callback counts it as not trained on
             parts = {"loss_labeled": loss.detach(), "loss_unlabeled": zero, "loss_prior": zero, "loss_lpa3": zero,
@@ -421,30 +241,30 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
                 probs = torch.softmax(self.lpa3_logits(model(torch.cat([x1[labeled], x2[labeled]]))).float(), 1)
             if n_lab:
                 refined = co_refine(y[labeled], torch.stack([probs[:n_lab], probs[n_lab:]]), w[labeled],
-                                    self.dividemix_temperature)
+                                    settings.temperature)
         inputs = torch.cat([x1[labeled], x2[labeled], x1[~labeled], x2[~labeled]])
         targets = torch.cat([refined, refined, guess, guess]).to(inputs.device)
-        lam = mixup_lambda(self.dividemix_alpha)
+        lam = mixup_lambda(settings.alpha)
         mixed_x, mixed_t = mixup(inputs, targets, lam, torch.randperm(inputs.shape[0], device=inputs.device))
         logits = self.lpa3_logits(model(mixed_x))
         loss_l = soft_cross_entropy(logits[: 2 * n_lab], mixed_t[: 2 * n_lab])
         loss_u = probability_mse(logits[2 * n_lab:], mixed_t[2 * n_lab:])
-        loss_p = (self.dividemix_prior_weight * prior_penalty(logits, self._dm_prior(logits.device))
-                  if self.dividemix_prior_weight else zero)
+        loss_p = (settings.prior_weight * prior_penalty(logits, self._dm_prior(logits.device))
+                  if settings.prior_weight else zero)
         progress = epoch + batch_idx / self.lpa3_batches_per_epoch(batches_per_epoch)
-        ramp = linear_rampup(progress, self.dividemix_warmup_epochs, self.dividemix_rampup_epochs)
-        weight_a = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight
+        ramp = linear_rampup(progress, settings.warmup_epochs, settings.rampup_epochs)
+        weight_a = settings.lambda_u if settings.lpa3_weight is None else settings.lpa3_weight
         loss_a, num_aug = zero, 0
         augmented = self.lpa3_take_augmented(network=network)
         if augmented is not None and len(augmented):
             guess_adv = guess.index_select(0, augmented.positions().to(guess.device))
             loss_a = augmented_mixmatch_loss(self, augmented, guess_adv,
                                              torch.cat([x1[labeled], x2[labeled]]), torch.cat([refined, refined]),
-                                             lam, mix=self.dividemix_lpa3_mixup)
+                                             lam, mix=settings.lpa3_mixup)
             num_aug = len(augmented)
-        loss = loss_l + ramp * (self.dividemix_lambda_u * loss_u + weight_a * loss_a) + loss_p
+        loss = loss_l + ramp * (settings.lambda_u * loss_u + weight_a * loss_a) + loss_p
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_prior": loss_p.detach(),
-                 "loss_lpa3": loss_a.detach(), "unlabeled_weight": torch.tensor(self.dividemix_lambda_u * ramp),
+                 "loss_lpa3": loss_a.detach(), "unlabeled_weight": torch.tensor(settings.lambda_u * ramp),
                  "labeled_share": labeled.float().mean(), "num_augmented": torch.tensor(float(num_aug))}
         return loss, parts
 
@@ -453,24 +273,8 @@ class DivideMixLPA3Mixin(LPA3ModuleMixin):
         """:meth:`dividemix_loss` of every network, with every co-guess made before the first
         network's training forward (which moves its BatchNorm statistics): with or without the
         callback, the guesses come from the networks as they are at the start of the step."""
+        self.lpa3_check_settings()  # before the phase is read from them
         if self.dividemix_phase(self.dividemix_current_epoch()) == "semi":
             for name in self.lpa3_networks():
                 self.dividemix_guess(batch, name)
         return {name: self.dividemix_loss(batch, name, batch_idx, batches_per_epoch) for name in self.lpa3_networks()}
-
-    # ------------------------------------------------------------------ checkpoint
-    def dividemix_state_dict(self) -> dict[str, Any]:
-        """The clean probabilities and loss histories (a resume continues on the same split)."""
-        state = self._dm_state()
-        return {"clean_prob": {k: v.cpu() for k, v in state["clean_prob"].items()},
-                "history": {k: [h.cpu() for h in v] for k, v in state["history"].items()},
-                "stratified_count": dict(state.get("stratified_count", {}))}
-
-    def dividemix_load_state_dict(self, saved: dict[str, Any]) -> None:
-        state = self._dm_state()
-        state["clean_prob"] = dict(saved.get("clean_prob", {}))
-        state["history"] = {k: list(v) for k, v in saved.get("history", {}).items()}
-        state["stratified_count"] = {k: [int(c) for c in v] if isinstance(v, (list, tuple)) else int(v)
-                                     for k, v in saved.get("stratified_count", {}).items()}
-        state["guess"] = {}
-

@@ -102,7 +102,7 @@ def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int,
     remainder, ties to the lower class); a list (or tuple) gives each class its own count. Each class
     fills its share with its own lowest-loss rows (ties to the lower index); every share fits
     its class, so exactly ``sum`` of the shares rows are marked. Ours, not DivideMix's (see
-    ``DivideMixLPA3Mixin.dividemix_stratified_split``): the loss ranks the labels of one class
+    ``DivideMixSettings.stratified_split``): the loss ranks the labels of one class
     well, while one threshold over every class starves the classes the network finds hard.
 
     Shape:

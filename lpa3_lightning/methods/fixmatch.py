@@ -9,7 +9,8 @@ Each training batch holds a labeled batch ``(x, y, index)`` and an unlabeled bat
 LP-A3 attacks the weak view of the unlabeled samples with the model's pseudo-label as the label
 to preserve; the time-consistency memory runs over the unlabeled set, from the weak-view
 predictions. The mixin adds ``weight * mean over the x' of 1[confidence >= 0.9] * CE(F(x'),
-pseudo-label)`` (the authors' second threshold) once ``lpa3_loss_warmup_epochs`` have passed.
+pseudo-label)`` (the authors' second threshold) once ``lpa3_loss_warmup_epochs`` have passed
+(the settings: :class:`~lpa3_lightning.methods.settings.FixMatchSettings`).
 
 One weak forward per step: :meth:`FixMatchLPA3Mixin.lpa3_request` (called by the callback in
 ``on_train_batch_start``) forwards the weak view once, without gradient and in train mode (as
@@ -36,6 +37,7 @@ from torch import Tensor
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
+from lpa3_lightning.methods.settings import FixMatchSettings
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
 
@@ -64,14 +66,6 @@ def split_semi_supervised_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Ten
     )
 
 
-def check_solve_trained_only(value: bool, name: str = "lpa3_solve_trained_only") -> bool:
-    """Validate the switch that lets the callback solve only the ``x'`` the loss weighs, returning it."""
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}. "
-                         "Fix: use True (the same loss, less solver work) or False (the authors' cost).")
-    return value
-
-
 class FixMatchLPA3Mixin(LPA3ModuleMixin):
     """FixMatch's loss with LP-A3 hard positives from the weak unlabeled view.
 
@@ -80,37 +74,16 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
     :meth:`fixmatch_loss` in ``training_step``.
 
     Attributes:
-        fixmatch_threshold: confidence above which a pseudo-label trains the strong view (0.95).
-        fixmatch_lambda_u: weight of the unlabeled loss (1).
-        fixmatch_temperature: softmax temperature of the pseudo-labels (1).
-        lpa3_confidence_threshold: the authors' second threshold: an ``x'`` trains only where its
-            pseudo-label's confidence is at least this (0.9).
-        lpa3_weight: weight of the LP-A3 term (1).
-        lpa3_loss_warmup_epochs: epochs (passes over the unlabeled set) before the LP-A3 term
-            counts. The authors' code adds it once more than 5 of its 1024-step epochs have
-            passed (``configs/ssl/`` converts that to passes). The callback's own
-            ``warmup_epochs`` decides when the attack runs; the authors attack during this
-            warm-up too (``lpa3_solve_trained_only`` skips that cost).
-        lpa3_solve_trained_only: True (default, not the authors'): the request's ``train_mask``
-            names the rows whose ``x'`` this loss will weigh (confidence >= the second threshold,
-            after the loss warm-up), so the callback solves only those. The authors solve every
-            selected row and zero the rest in the loss; here the skipped rows still count in the
-            loss's denominator and their clean inputs still set the twin statistics, so the loss
-            is theirs (each ``x'`` from another draw of the solver's initial noise), while the
-            solver's work shrinks to the confident share (``benchmarks/fixmatch_step.py`` prints
-            it). Applies with ``lpa3_train_forward="verified"`` (the default) and without the
-            callback's cache; otherwise every selected row is solved. False: the authors' cost.
+        lpa3_settings: a :class:`~lpa3_lightning.methods.settings.FixMatchSettings` (thresholds,
+            weights, the LP-A3 loss warm-up, ``solve_trained_only``; its docstring gives each
+            default and its source); set ``self.lpa3_settings = FixMatchSettings(...)``.
         lpa3_num_samples: size of the unlabeled set (the TCS memory's), e.g. the datamodule's
-            ``num_unlabeled``; the callback reads it when its ``num_samples`` is None.
+            ``num_unlabeled``; the callback reads it when its ``num_samples`` is None. A fact
+            about the data, not a setting.
     """
 
-    fixmatch_threshold: float = 0.95
-    fixmatch_lambda_u: float = 1.0
-    fixmatch_temperature: float = 1.0
-    lpa3_confidence_threshold: float = 0.9
-    lpa3_weight: float = 1.0
-    lpa3_loss_warmup_epochs: int = 5
-    lpa3_solve_trained_only: bool = True
+    lpa3_settings_class = FixMatchSettings
+    lpa3_settings: FixMatchSettings = FixMatchSettings()
     lpa3_num_samples: int | None = None
     _fixmatch_weak: tuple[Tensor, Tensor] | None = None  # (weak inputs, their detached logits)
 
@@ -121,24 +94,24 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
         x_weak, pseudo, idx = self.lpa3_split_batch(batch)
-        check_solve_trained_only(self.lpa3_solve_trained_only)
+        settings = self.lpa3_settings
         train_mask = None
         # the x' that fixmatch_loss will weigh above zero; under the authors' "batch_stats" forward
         # the x' batch's own statistics depend on every solved row, so all are solved there
-        if self.lpa3_solve_trained_only and self.lpa3_train_forward == "verified":
+        if settings.solve_trained_only and settings.train_forward == "verified":
             confidence = self._pseudo_labels(self.fixmatch_weak_logits(batch))[0]  # the logits are cached
-            train_mask = (confidence >= self.lpa3_confidence_threshold) & self._lpa3_term_on()
+            train_mask = (confidence >= settings.lpa3_confidence_threshold) & self._lpa3_term_on()
         return LPA3Request(inputs=x_weak, targets=pseudo, indices=idx, train_mask=train_mask)
 
     def lpa3_consumes_augmented(self, epoch: int) -> bool:
         """The LP-A3 term counts from ``lpa3_loss_warmup_epochs`` on: the callback solves nothing
-        before (with ``lpa3_solve_trained_only=False``, the authors' cost, it solves in the warm-up too)."""
-        return epoch >= self.lpa3_loss_warmup_epochs or not self.lpa3_solve_trained_only
+        before (with ``solve_trained_only=False``, the authors' cost, it solves in the warm-up too)."""
+        return epoch >= self.lpa3_settings.lpa3_loss_warmup_epochs or not self.lpa3_settings.solve_trained_only
 
     def _lpa3_term_on(self) -> bool:
         """Whether the LP-A3 term counts in this epoch (after ``lpa3_loss_warmup_epochs``)."""
         trainer = getattr(self, "_trainer", None)
-        return (trainer.current_epoch if trainer is not None else 0) >= self.lpa3_loss_warmup_epochs
+        return (trainer.current_epoch if trainer is not None else 0) >= self.lpa3_settings.lpa3_loss_warmup_epochs
 
     def fixmatch_weak_logits(self, batch: Any) -> Tensor:
         """Detached logits of the weak unlabeled view: forwarded once per batch, then reused.
@@ -158,7 +131,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         return logits
 
     def _pseudo_labels(self, weak_logits: Tensor) -> tuple[Tensor, Tensor]:
-        probs = torch.softmax(weak_logits.float() / self.fixmatch_temperature, dim=1)
+        probs = torch.softmax(weak_logits.float() / self.lpa3_settings.temperature, dim=1)
         confidence, pseudo = probs.max(dim=1)
         return confidence, pseudo
 
@@ -168,11 +141,12 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         Returns:
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``,
             ``loss_lpa3``, ``mask_rate`` (share of pseudo-labels above the threshold),
-            ``num_augmented`` (the ``x'`` in the term's forward: with ``lpa3_solve_trained_only``
+            ``num_augmented`` (the ``x'`` in the term's forward: with ``solve_trained_only``
             only those above the second threshold) and ``lpa3_kept_rate`` (share of the selected
             rows above the second threshold).
         """
-        self._lpa3_check_settings_once()
+        self.lpa3_check_settings()
+        settings = self.lpa3_settings
         x, y, _, x_weak, x_strong, idx_u = split_semi_supervised_batch(batch)
         classes = self.lpa3_num_classes
         if classes is not None:
@@ -186,13 +160,13 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         logits = self.lpa3_logits(model(torch.cat([x, x_strong])))
         logits_l, logits_s = logits[: x.shape[0]], logits[x.shape[0]:]
         loss_l = F.cross_entropy(logits_l, y)
-        mask = (confidence >= self.fixmatch_threshold).float()
+        mask = (confidence >= settings.threshold).float()
         loss_u = (F.cross_entropy(logits_s, pseudo, reduction="none") * mask).mean()
         loss_a, num_aug, kept_rate = logits.new_zeros(()), 0, logits.new_zeros(())
         if self._lpa3_term_on():
             augmented = self.lpa3_take_augmented()
             if augmented is not None and len(augmented):
-                kept = (confidence.index_select(0, augmented.positions()) >= self.lpa3_confidence_threshold).float()
+                kept = (confidence.index_select(0, augmented.positions()) >= settings.lpa3_confidence_threshold).float()
                 per_sample = F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets,
                                              reduction="none")
                 # the mean over the selected rows, as the authors' term: rows left unsolved
@@ -200,7 +174,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
                 selected = len(augmented) + augmented.skipped
                 loss_a = (per_sample * kept).sum() / selected
                 num_aug, kept_rate = len(augmented), kept.sum() / selected
-        loss = loss_l + self.fixmatch_lambda_u * loss_u + self.lpa3_weight * loss_a
+        loss = loss_l + settings.lambda_u * loss_u + settings.lpa3_weight * loss_a
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
                  "mask_rate": mask.mean(), "num_augmented": torch.tensor(float(num_aug)),
                  "lpa3_kept_rate": kept_rate.detach()}

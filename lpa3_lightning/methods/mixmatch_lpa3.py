@@ -25,7 +25,7 @@ def augmented_mixmatch_loss(module: LPA3ModuleMixin, augmented: AugmentedBatch, 
     """The LP-A3 term of a MixMatch step.
 
     Args:
-        module: the LightningModule (its ``lpa3_model``, ``lpa3_logits``, ``lpa3_train_forward``).
+        module: the LightningModule (its ``lpa3_model``, ``lpa3_logits``, ``lpa3_settings.train_forward``).
         augmented: this batch's hard positives (``augmented.network`` picks the network).
         targets_adv: ``(M, C)`` target distribution of each ``x'`` (the guessed label).
         labeled_views: the labeled rows' views the ``x'`` are mixed with.
@@ -45,9 +45,9 @@ def augmented_mixmatch_loss(module: LPA3ModuleMixin, augmented: AugmentedBatch, 
     logits = augmented_logits(
         model, mixed_x[rows], bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
         bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
-        logits_fn=module.lpa3_logits, train_forward=module.lpa3_train_forward, allow_tf32=augmented.allow_tf32,
+        logits_fn=module.lpa3_logits, train_forward=module.lpa3_settings.train_forward, allow_tf32=augmented.allow_tf32,
     )
-    if module.lpa3_train_forward == "verified":  # lpa3/label_preserved: the unmixed x' in the same forward
+    if module.lpa3_settings.train_forward == "verified":  # lpa3/label_preserved: the unmixed x' in the same forward
         with torch.no_grad():  # (in "batch_stats" it would move the running statistics once more)
             module.lpa3_forward_augmented(augmented)
     return probability_mse(logits, mixed_t[rows])

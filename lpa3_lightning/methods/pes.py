@@ -2,9 +2,9 @@
 
 PES trains on noisy labels in three phases (by epoch):
 
-1. ``"early"`` (``pes_early_epochs``, T1): the whole network with cross-entropy on the noisy
+1. ``"early"`` (``early_epochs``, T1): the whole network with cross-entropy on the noisy
    labels, stopped early, before it memorises the noise.
-2. ``"refine"`` (``pes_refine_epochs``, T2): the classifier head is re-initialised and trained
+2. ``"refine"`` (``refine_epochs``, T2): the classifier head is re-initialised and trained
    alone on the noisy labels (the other weights stay; BatchNorm running statistics still follow
    the batches, as the forward runs in train mode). With T2 = 0 the head is not re-initialised.
    PES's paper re-trains later blocks in stages too; the authors' semi-supervised code (the one
@@ -28,8 +28,8 @@ the solver's cost for a second view of the same image); the ``x'`` go through th
 verified forward (see :mod:`lpa3_lightning.core.augmented_forward`), and ``lpa3/label_preserved`` is
 measured on the unmixed ``x'`` in that forward (a no-grad pass); the callback's TCS selection
 applies (the authors attack every unlabeled sample: ``ratio=1.0`` does the same);
-``pes_lpa3_mixup=False`` trains the unmixed ``x'`` against the guess instead;
-``pes_lpa3_confidence`` (ours, off by default) attacks only the unlabeled samples whose sharpened
+``lpa3_mixup=False`` trains the unmixed ``x'`` against the guess instead;
+``lpa3_confidence`` (ours, off by default) attacks only the unlabeled samples whose sharpened
 guess is sure enough. The TCS memory
 is fed by every row's logits in the first two phases and by the unlabeled rows' guessing
 forward after, so its threshold is over the whole training set (the labeled rows' scores keep
@@ -42,7 +42,8 @@ its share of the set), so a small labeled set is revisited
 many times an epoch; :meth:`noisy_split_mask` lets the data module do the same
 (:class:`~lpa3_lightning.data.NoisyLabelDataModule`'s ``balance_split``, on by default). With
 batches drawn from the whole set instead, the labeled share follows the set's (a seventh or
-less at 80% noise).
+less at 80% noise). The settings named here are the fields of
+:class:`~lpa3_lightning.methods.settings.PESSettings`.
 """
 
 from __future__ import annotations
@@ -71,19 +72,11 @@ from lpa3_lightning.methods.mixmatch import (
     soft_cross_entropy,
 )
 from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
+from lpa3_lightning.methods.settings import PESSettings
 
 __all__ = ["PESLPA3Mixin", "split_two_view_batch"]
 
 PESPhase = Literal["early", "refine", "semi"]
-
-
-def check_lpa3_confidence(confidence: float | None, name: str = "lpa3_confidence") -> float | None:
-    """Validate PES's ``x'`` confidence threshold (None, or a number in (0, 1]), returning it."""
-    if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
-                                   or not 0 < confidence <= 1):
-        raise ValueError(f"`{name}` must be None or a number in (0, 1], got {confidence!r}. "
-                         "Fix: e.g. 0.9 (on the sharpened guess).")
-    return confidence
 
 
 def split_two_view_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -114,37 +107,15 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     :class:`~lpa3_lightning.PESClassifier` does it all).
 
     Attributes:
-        pes_early_epochs: T1, epochs of the early-stopped first phase (authors: 20 on CIFAR-10,
-            35 on CIFAR-100).
-        pes_refine_epochs: T2, epochs of head re-training (authors: 5).
-        pes_lambda_u: weight of the unlabeled loss after the ramp (authors: 150).
-        pes_temperature: sharpening temperature of the guessed labels (0.5).
-        pes_alpha: mixup's Beta parameter (4), and ``pes_alpha_late`` (0.75) from epoch
-            ``pes_alpha_late_epoch`` on (authors: half of the run; None keeps ``pes_alpha``).
-        pes_rampup_epochs: length of the linear ramp of the unlabeled weight (16), which starts
-            with the semi-supervised phase.
-        pes_class_weight_cap: largest class weight of the labeled loss (3).
-        pes_lpa3_mixup: True (authors): the ``x'`` are mixed up with the labeled views; False:
-            the unmixed ``x'`` are trained against the guessed label.
-        pes_lpa3_confidence: None (authors): every unlabeled row may be attacked; a number in
-            (0, 1]: only the rows whose *sharpened* guess (temperature 0.5) gives its label at
-            least this probability (like FixMatch + LP-A3's second threshold, on a sharpened
-            distribution: 0.9 there is a raw top probability of about 0.75 between two classes):
-            an ``x'`` keeps its guessed label, so a wrong guess becomes a hard positive of the
-            wrong class.
+        lpa3_settings: a :class:`~lpa3_lightning.methods.settings.PESSettings` (T1, T2, the
+            MixMatch weights and mixup, the class-weight cap, the ``x'`` options; its docstring
+            gives each default and its source); set ``self.lpa3_settings = PESSettings(...)``.
+        lpa3_num_samples: the training set's size (the split and the TCS memory are over it). A
+            fact about the data, not a setting.
     """
 
-    pes_early_epochs: int = 20
-    pes_refine_epochs: int = 5
-    pes_lambda_u: float = 150.0
-    pes_temperature: float = 0.5
-    pes_alpha: float = 4.0
-    pes_alpha_late: float = 0.75
-    pes_alpha_late_epoch: int | None = None
-    pes_rampup_epochs: float = 16.0
-    pes_class_weight_cap: float = 3.0
-    pes_lpa3_mixup: bool = True
-    pes_lpa3_confidence: float | None = None
+    lpa3_settings_class = PESSettings
+    lpa3_settings: PESSettings = PESSettings()
     lpa3_num_samples: int | None = None
     _pes_labeled: Tensor | None = None  # (N,) bool, the current split
     _pes_class_weights: Tensor | None = None
@@ -164,9 +135,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     # ------------------------------------------------------------------ phases
     def pes_phase(self, epoch: int) -> PESPhase:
         """``"early"`` before T1, ``"refine"`` for the next T2 epochs, ``"semi"`` after."""
-        if epoch < self.pes_early_epochs:
+        settings = self.lpa3_settings
+        if epoch < settings.early_epochs:
             return "early"
-        if epoch < self.pes_early_epochs + self.pes_refine_epochs:
+        if epoch < settings.early_epochs + settings.refine_epochs:
             return "refine"
         return "semi"
 
@@ -177,7 +149,14 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     @property
     def pes_semi_start(self) -> int:
         """First epoch of the semi-supervised phase (T1 + T2), where the ramp starts."""
-        return self.pes_early_epochs + self.pes_refine_epochs
+        return self.lpa3_settings.early_epochs + self.lpa3_settings.refine_epochs
+
+    def pes_alpha_late_start(self) -> int | None:
+        """The first epoch of mixup's ``alpha_late`` (None: never): the setting's
+        ``alpha_late_epoch``, None or negative meaning never. The ready
+        :class:`~lpa3_lightning.PESClassifier` overrides it to resolve None to half of its run."""
+        start = self.lpa3_settings.alpha_late_epoch
+        return None if start is None or start < 0 else start
 
     def pes_head(self) -> nn.Module:
         """The classifier head that the refine phase re-initialises: the model's last ``nn.Linear``.
@@ -204,7 +183,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         ``(view1, view2, noisy_label, index)`` batches that cover every training sample (no
         ``drop_last``, not the balanced semi-phase sampler, which skips rows; the ready module
         passes ``noisy_training.whole_training_set_loader``). A sample it leaves out is refused."""
-        if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
+        if epoch == self.lpa3_settings.early_epochs and self.lpa3_settings.refine_epochs > 0:
             head = self.pes_head()
             for module in head.modules():
                 if hasattr(module, "reset_parameters"):
@@ -247,7 +226,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         check_split_loader_covered(counts, "pes_begin_epoch")
         labeled = agreement_split(sums / counts[:, None], noisy)
         self._pes_labeled = labeled
-        self._pes_class_weights = class_balance_weights(noisy[labeled], num_classes, self.pes_class_weight_cap)
+        self._pes_class_weights = class_balance_weights(noisy[labeled], num_classes,
+                                                       self.lpa3_settings.class_weight_cap)
         return labeled
 
     def _pes_sizes(self) -> tuple[int, int]:
@@ -284,7 +264,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             with BatchNormStatisticsFrozen(model), kept:
                 logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
             probs = torch.softmax(logits, 1)
-            guess = sharpen((probs[: u1.shape[0]] + probs[u1.shape[0]:]) / 2, self.pes_temperature)
+            guess = sharpen((probs[: u1.shape[0]] + probs[u1.shape[0]:]) / 2, self.lpa3_settings.temperature)
             logits_u1 = logits[: u1.shape[0]]
         self._pes_guess = (x1, guess, logits_u1)
         return guess
@@ -304,9 +284,9 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         return LPA3Request(inputs=x_u, targets=guess.argmax(1), indices=idx_u)
 
     def _pes_sure(self, guess: Tensor) -> Tensor | None:
-        """The unlabeled rows offered to the attack (``pes_lpa3_confidence``), None for all: the
+        """The unlabeled rows offered to the attack (``lpa3_confidence``), None for all: the
         request and the loss pick the same rows of the guess with it."""
-        confidence = check_lpa3_confidence(self.pes_lpa3_confidence, "pes_lpa3_confidence")
+        confidence = self.lpa3_settings.lpa3_confidence
         return None if confidence is None else guess.max(1).values >= confidence
 
     # ------------------------------------------------------------------ loss
@@ -321,7 +301,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``,
             ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share`` and ``num_augmented``.
         """
-        self._lpa3_check_settings_once()
+        self.lpa3_check_settings()
+        settings = self.lpa3_settings
         x1, x2, y, idx = split_two_view_batch(batch)
         num_samples, num_classes_ = self._pes_sizes()
         check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
@@ -348,8 +329,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         one_hot = F.one_hot(y[labeled].long(), num_classes).float()
         inputs = torch.cat([x1[labeled], x2[labeled], x1[~labeled], x2[~labeled]])
         targets = torch.cat([one_hot, one_hot, guess, guess]).to(inputs.device)
-        alpha = self.pes_alpha_late if self.pes_alpha_late_epoch is not None and epoch >= self.pes_alpha_late_epoch \
-            else self.pes_alpha
+        late = self.pes_alpha_late_start()
+        alpha = settings.alpha_late if late is not None and epoch >= late else settings.alpha
         lam = mixup_lambda(alpha)
         mixed_x, mixed_t = mixup(inputs, targets, lam, torch.randperm(inputs.shape[0], device=inputs.device))
         logits = self.lpa3_logits(model(mixed_x))
@@ -357,7 +338,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         loss_l = soft_cross_entropy(logits[: 2 * n_lab], mixed_t[: 2 * n_lab], weights)
         loss_u = probability_mse(logits[2 * n_lab:], mixed_t[2 * n_lab:])
         progress = epoch + batch_idx / self.lpa3_batches_per_epoch(batches_per_epoch)
-        ramp = self.pes_lambda_u * linear_rampup(progress, self.pes_semi_start, self.pes_rampup_epochs)
+        ramp = settings.lambda_u * linear_rampup(progress, self.pes_semi_start, settings.rampup_epochs)
         loss_a, num_aug = zero, 0
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
@@ -365,7 +346,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             offered = guess if sure is None else guess[sure]
             target_adv = offered.index_select(0, augmented.positions().to(guess.device))
             loss_a = augmented_mixmatch_loss(self, augmented, target_adv, torch.cat([x1[labeled], x2[labeled]]),
-                                             torch.cat([one_hot, one_hot]), lam, mix=self.pes_lpa3_mixup)
+                                             torch.cat([one_hot, one_hot]), lam, mix=settings.lpa3_mixup)
             num_aug = len(augmented)
         loss = loss_l + ramp * (loss_u + loss_a)
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),

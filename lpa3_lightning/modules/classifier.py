@@ -12,6 +12,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 from lpa3_lightning.core.dual_bn import convert_dual_bn
+from lpa3_lightning.methods.settings import SupervisedSettings, settings_from, settings_hparams
 from lpa3_lightning.methods.supervised import SupervisedLPA3Mixin, split_indexed_batch
 from lpa3_lightning.models.resnet import medmnist_resnet
 
@@ -56,7 +57,9 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
         lr_gamma: learning-rate decay factor.
         weight_decay: Adam weight decay.
         twin_bn: give every BatchNorm a twin for the augmented samples (authors' choice).
-        lpa3_weight: weight of the loss on the hard positives.
+        supervised: the mixin's settings (:class:`~lpa3_lightning.methods.settings.SupervisedSettings`:
+            ``weight`` of the loss on the hard positives, ``train_forward``), or a mapping of its
+            fields; None: the defaults. In a YAML config, ``supervised:`` with the fields under it.
         model: use this network instead of building ``arch`` (any ``nn.Module`` returning logits);
             with ``twin_bn`` its BatchNorms are converted in place.
 
@@ -76,20 +79,21 @@ class LPA3Classifier(SupervisedLPA3Mixin, pl.LightningModule):
         lr_gamma: float = 0.1,
         weight_decay: float = 0.0,
         twin_bn: bool = True,
-        lpa3_weight: float = 1.0,
+        supervised: SupervisedSettings | None = None,
         model: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"`lr` must be > 0, got {lr}. Fix: use 1e-3 (the MedMNIST recipe).")
-        if lpa3_weight < 0:
-            raise ValueError(f"`lpa3_weight` must be >= 0, got {lpa3_weight}. Fix: use 1.0 (Algorithm 1).")
+        self.lpa3_settings = settings_from(SupervisedSettings, supervised, "supervised")
         self.save_hyperparameters(ignore=["model"])
+        # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
+        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
+        self.save_hyperparameters({"supervised": settings_hparams(self.lpa3_settings)})
         self.model = model if model is not None else medmnist_resnet(arch, in_channels, num_classes)
         if twin_bn:
             convert_dual_bn(self.model)
         self.lpa3_num_classes = num_classes
-        self.lpa3_weight = lpa3_weight
         metrics = MetricCollection(
             {"acc": MulticlassAccuracy(num_classes, average="micro"), "auc": MulticlassAUROC(num_classes)}
         )

@@ -10,7 +10,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lpa3_lightning.core.checks import check_class_prior
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.methods.base import split_indexed_batch
 from lpa3_lightning.methods.dividemix import DivideMixLPA3Mixin
@@ -21,6 +20,7 @@ from lpa3_lightning.methods.noisy_training import (
     release_twins,
     whole_training_set_loader,
 )
+from lpa3_lightning.methods.settings import DivideMixSettings, settings_from, settings_hparams
 from lpa3_lightning.modules.classifier import check_datamodule_agrees
 from lpa3_lightning.modules.fixmatch_classifier import build_ssl_backbone
 
@@ -49,36 +49,21 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lr: SGD learning rate (0.02).
         momentum: SGD momentum (0.9).
         weight_decay: SGD weight decay (5e-4).
-        warmup_epochs: cross-entropy epochs (authors: 10 on CIFAR-10, 30 on CIFAR-100).
-        lambda_u: unlabeled weight (authors, CIFAR-10: 0 at 20% and 40% asymmetric, 25 at 50% and
-            80%, 50 at 90%; CIFAR-100: 25 at 20%, 150 above).
-        threshold: clean-probability threshold (0.5; authors 0.6 at 90%).
-        temperature: sharpening temperature (0.5).
-        alpha: mixup Beta parameter (4).
-        rampup_epochs: ramp of the unlabeled weight (16).
-        loss_history: epochs of losses averaged for the GMM (1; authors 5 at 90%).
-        negative_entropy: warm-up confidence penalty (authors: asymmetric noise).
         lr_drop_epoch: epoch of the tenfold learning-rate drop; None: half of ``max_epochs``;
             negative: never.
-        lpa3_mixup: mix the ``x'`` up with the labeled views (as PES's LP-A3) or train them unmixed.
-        lpa3_weight: weight of the ``x'`` term after the ramp; None: ``lambda_u`` (as PES's LP-A3).
-            With the callback, a total weight of 0 is refused (the attacks would train nothing).
-        split_per_class: fit the split's Gaussian mixture per noisy class (ours; see
-            :func:`~lpa3_lightning.methods.dividemix_parts.clean_probability_per_class`); False: the authors' one
-            mixture.
-        stratified_split: label as clean the first split's number of rows, shared out over the
-            noisy classes by size, each class's lowest-loss rows (ours; see
-            ``DivideMixLPA3Mixin.dividemix_stratified_split``); with ``split_per_class`` each class
-            keeps its own first mixture's count instead. False: the GMM's posterior, as the authors.
-        prior_weight: weight of the prior penalty ``KL(prior || mean prediction)`` (1, the
-            authors'; 0 turns it off).
-        class_prior: the penalty's class frequencies (``num_classes`` numbers summing to 1); None:
-            uniform, as the authors. Their uniform prior suits balanced classes; on an imbalanced
-            set (PneumoniaMNIST: 26% / 74%) it pulls the predictions towards balance.
-        guess_bn_updates: let the guessing and refinement forwards move the BatchNorm running
-            statistics, as the authors' code does.
+        dividemix: the mixin's settings (:class:`~lpa3_lightning.methods.settings.DivideMixSettings`:
+            ``warmup_epochs`` 10 (30 on CIFAR-100), ``lambda_u`` 25 (the authors, CIFAR-10: 0 at
+            20% and 40% asymmetric, 25 at 50% and 80%, 50 at 90%; CIFAR-100: 25 at 20%, 150
+            above), ``threshold`` 0.5 (0.6 at 90%), ``temperature`` 0.5, ``alpha`` 4,
+            ``rampup_epochs`` 16, ``loss_history`` 1 (5 at 90%), ``negative_entropy``, the ``x'``
+            term's ``lpa3_mixup`` and ``lpa3_weight`` (None: ``lambda_u``; with the callback a total
+            weight of 0 is refused, the attacks would train nothing), the split's
+            ``split_per_class`` and ``stratified_split`` (ours), ``prior_weight`` 1 and
+            ``class_prior`` (None: uniform, the authors'; ``num_classes`` numbers summing to 1 on an
+            imbalanced set such as PneumoniaMNIST's 26% / 74%), ``guess_bn_updates``, the GMM's
+            ``seed``, the networks' names and ``train_forward``), or a mapping of its fields; None:
+            the defaults. In a YAML config, ``dividemix:`` with the fields under it.
         twin_bn: give every BatchNorm of both networks a twin for ``x'``.
-        seed: seed of the GMM's initialisation.
 
     Example:
         >>> module = DivideMixClassifier(num_classes=10, num_samples=5000)
@@ -95,44 +80,27 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         lr: float = 0.02,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
-        warmup_epochs: int = 10,
-        lambda_u: float = 25.0,
-        threshold: float = 0.5,
-        temperature: float = 0.5,
-        alpha: float = 4.0,
-        rampup_epochs: float = 16.0,
-        loss_history: int = 1,
-        negative_entropy: bool = False,
         lr_drop_epoch: int | None = None,
-        lpa3_mixup: bool = True,
-        lpa3_weight: float | None = None,
-        split_per_class: bool = False,
-        stratified_split: bool = False,
-        prior_weight: float = 1.0,
-        class_prior: list[float] | None = None,
-        guess_bn_updates: bool = False,
+        dividemix: DivideMixSettings | None = None,
         twin_bn: bool = True,
-        seed: int = 0,
     ) -> None:
         super().__init__()
-        checks = [("warmup_epochs", warmup_epochs, 0), ("num_classes", num_classes, 2), ("loss_history", loss_history, 1),
-                  ("seed", seed, 0)]  # seed: the Gaussian mixture's random_state
-        for name, value, low in checks + ([("num_samples", num_samples, 2)] if num_samples is not None else []):
+        for name, value, low in [("num_classes", num_classes, 2)] + ([("num_samples", num_samples, 2)]
+                                                                      if num_samples is not None else []):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. warmup_epochs=10, "
-                                 "loss_history=1, seed=0, num_samples=<training set size>.")
-        for name, value in (("lr", lr), ("temperature", temperature), ("alpha", alpha), ("rampup_epochs", rampup_epochs)):
-            if not value > 0:
-                raise ValueError(f"`{name}` must be > 0, got {value!r}.")
-        if lambda_u < 0 or (lpa3_weight is not None and lpa3_weight < 0):
-            raise ValueError(f"`lambda_u` and `lpa3_weight` must be >= 0, got {lambda_u!r} and {lpa3_weight!r}. Fix: "
-                             "use lambda_u=25 (DivideMix, 50% noise) and lpa3_weight=None.")
-        if not prior_weight >= 0:
-            raise ValueError(f"`prior_weight` must be >= 0, got {prior_weight!r}. Fix: 1 (the authors') or 0 (off).")
-        prior = None if class_prior is None else check_class_prior(class_prior, num_classes)
-        if not 0.0 < threshold < 1.0:
-            raise ValueError(f"`threshold` must be in (0, 1), got {threshold!r}. Fix: use 0.5 (0.6 at 90% noise).")
+                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. num_classes=10, "
+                                 "num_samples=<training set size>.")
+        if not lr > 0:
+            raise ValueError(f"`lr` must be > 0, got {lr!r}. Fix: use 0.02 (DivideMix).")
+        self.lpa3_settings = settings_from(DivideMixSettings, dividemix, "dividemix")
+        prior = self.lpa3_settings.class_prior
+        if prior is not None and len(prior) != num_classes:
+            raise ValueError(f"`dividemix.class_prior` holds {len(prior)} class frequencies for num_classes="
+                             f"{num_classes}. Fix: one frequency per class, or None (uniform).")
         self.save_hyperparameters()
+        # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
+        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
+        self.save_hyperparameters({"dividemix": settings_hparams(self.lpa3_settings)})
         self.net1 = build_ssl_backbone(arch, in_channels, num_classes)
         self.net2 = build_ssl_backbone(arch, in_channels, num_classes)
         if twin_bn:
@@ -140,22 +108,6 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
             convert_dual_bn(self.net2)
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_samples
-        self.dividemix_warmup_epochs = warmup_epochs
-        self.dividemix_lambda_u = lambda_u
-        self.dividemix_threshold = threshold
-        self.dividemix_temperature = temperature
-        self.dividemix_alpha = alpha
-        self.dividemix_rampup_epochs = rampup_epochs
-        self.dividemix_loss_history = loss_history
-        self.dividemix_negative_entropy = negative_entropy
-        self.dividemix_lpa3_mixup = lpa3_mixup
-        self.dividemix_lpa3_weight = lpa3_weight
-        self.dividemix_seed = seed
-        self.dividemix_split_per_class = split_per_class
-        self.dividemix_stratified_split = stratified_split
-        self.dividemix_prior_weight = prior_weight
-        self.dividemix_class_prior = prior
-        self.dividemix_guess_bn_updates = guess_bn_updates
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
@@ -165,7 +117,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
 
     def dividemix_model(self, network: str) -> nn.Module:
         self._dm_check_name(network)
-        return self.net1 if network == self.dividemix_networks[0] else self.net2
+        return self.net1 if network == self.lpa3_networks()[0] else self.net2
 
     def forward(self, x: Tensor) -> Tensor:
         """Both networks' logits added (the authors' prediction)."""
@@ -183,11 +135,14 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._dm_sizes()  # a missing training-set size is named now, not at the semi phase
-        weight = self.dividemix_lambda_u if self.dividemix_lpa3_weight is None else self.dividemix_lpa3_weight
+        settings = self.lpa3_settings
+        weight = settings.lambda_u if settings.lpa3_weight is None else settings.lpa3_weight
         if weight == 0 and lpa3_callbacks(self.trainer):
-            why = "lpa3_weight=0" if self.dividemix_lpa3_weight is not None else "lambda_u=0 and lpa3_weight=None"
+            why = "dividemix.lpa3_weight=0" if settings.lpa3_weight is not None else \
+                "dividemix.lambda_u=0 and dividemix.lpa3_weight=None"
             raise ValueError(f"LPA3Callback is attached but the x' term's weight is 0 ({why}), so every attack would "
-                             "train nothing. Fix: pass lpa3_weight=<weight> (e.g. 25), or drop the callback.")
+                             "train nothing. Fix: pass dividemix.lpa3_weight=<weight> (e.g. 25), or drop the "
+                             "callback.")
         self._anchored = anchor_twins_without_callback(self.trainer, [self.net1, self.net2])
 
     def on_fit_end(self) -> None:

@@ -12,7 +12,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.methods.base import split_indexed_batch
-from lpa3_lightning.methods.fixmatch import FixMatchLPA3Mixin, check_solve_trained_only
+from lpa3_lightning.methods.fixmatch import FixMatchLPA3Mixin
+from lpa3_lightning.methods.settings import FixMatchSettings, settings_from, settings_hparams
 from lpa3_lightning.modules.classifier import check_datamodule_agrees
 
 __all__ = ["FixMatchClassifier", "build_ssl_backbone"]
@@ -57,7 +58,8 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
     Without the callback it is plain FixMatch (the same module, the same recipe). The recipe:
     SGD with Nesterov momentum 0.9, learning rate 0.03, weight decay 5e-4 (not on biases and
     BatchNorm), cosine decay ``lr * cos(7 pi k / (16 K))`` over the run's K optimizer steps,
-    threshold 0.95, lambda_u 1. Evaluate with EMA weights (decay 0.999) by adding Lightning's
+    threshold 0.95, lambda_u 1 (:class:`~lpa3_lightning.methods.settings.FixMatchSettings`' defaults).
+    Evaluate with EMA weights (decay 0.999) by adding Lightning's
     ``EMAWeightAveraging`` callback to the Trainer (the configs in ``configs/ssl/`` do). Logs
     ``train/loss``, ``train/mask_rate`` and the parts of the loss, ``val/acc`` and ``test/acc``
     (torchmetrics).
@@ -69,21 +71,18 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         lr: initial learning rate (0.03).
         momentum: SGD momentum (0.9, Nesterov).
         weight_decay: weight decay (5e-4; the paper's CIFAR-100 rows use 1e-3).
-        threshold: FixMatch's pseudo-label confidence threshold (0.95).
-        lambda_u: weight of the unlabeled loss (1).
-        lpa3_confidence_threshold: the LP-A3 term's second threshold (0.9).
-        lpa3_weight: weight of the LP-A3 term (1).
-        lpa3_loss_warmup_epochs: passes over the unlabeled set before the LP-A3 term counts
-            (the authors: after 5 x 1024 steps; see ``configs/ssl/make_configs.py``).
-        lpa3_solve_trained_only: let the callback solve only the ``x'`` the LP-A3 term will weigh
-            (True, the same loss at a fraction of the solver's cost; False: the authors' cost,
-            every selected row solved). See :class:`~lpa3_lightning.mixins.FixMatchLPA3Mixin`.
+        fixmatch: the mixin's settings (:class:`~lpa3_lightning.methods.settings.FixMatchSettings`:
+            ``threshold`` 0.95, ``lambda_u`` 1, ``temperature`` 1, the LP-A3 term's
+            ``lpa3_confidence_threshold`` 0.9, ``lpa3_weight`` 1 and ``lpa3_loss_warmup_epochs`` 5
+            (passes over the unlabeled set; see ``configs/ssl/make_configs.py``),
+            ``solve_trained_only`` True, ``train_forward``), or a mapping of its fields; None: the
+            defaults. In a YAML config, ``fixmatch:`` with the fields under it.
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
         model: use this network instead of building ``arch``.
 
     Example:
         >>> module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10)
-        >>> module.lpa3_num_classes, module.fixmatch_threshold
+        >>> module.lpa3_num_classes, module.lpa3_settings.threshold
         (10, 0.95)
     """
 
@@ -95,38 +94,22 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         lr: float = 0.03,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
-        threshold: float = 0.95,
-        lambda_u: float = 1.0,
-        lpa3_confidence_threshold: float = 0.9,
-        lpa3_weight: float = 1.0,
-        lpa3_loss_warmup_epochs: int = 5,
-        lpa3_solve_trained_only: bool = True,
+        fixmatch: FixMatchSettings | None = None,
         twin_bn: bool = True,
         model: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"`lr` must be > 0, got {lr}. Fix: use 0.03 (FixMatch).")
-        if not 0.0 < threshold <= 1.0 or not 0.0 <= lpa3_confidence_threshold <= 1.0:
-            raise ValueError(f"`threshold` must be in (0, 1] and `lpa3_confidence_threshold` in [0, 1], got "
-                             f"{threshold} and {lpa3_confidence_threshold}. Fix: use 0.95 and 0.9.")
-        if lambda_u < 0 or lpa3_weight < 0:
-            raise ValueError(f"`lambda_u` and `lpa3_weight` must be >= 0, got {lambda_u} and {lpa3_weight}.")
-        if isinstance(lpa3_loss_warmup_epochs, bool) or not isinstance(lpa3_loss_warmup_epochs, int) \
-                or lpa3_loss_warmup_epochs < 0:
-            raise ValueError(f"`lpa3_loss_warmup_epochs` must be an int >= 0, got {lpa3_loss_warmup_epochs!r}.")
-        check_solve_trained_only(lpa3_solve_trained_only)
+        self.lpa3_settings = settings_from(FixMatchSettings, fixmatch, "fixmatch")
         self.save_hyperparameters(ignore=["model"])
+        # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
+        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
+        self.save_hyperparameters({"fixmatch": settings_hparams(self.lpa3_settings)})
         self.model = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
         if twin_bn:
             convert_dual_bn(self.model)
         self.lpa3_num_classes = num_classes
-        self.fixmatch_threshold = threshold
-        self.fixmatch_lambda_u = lambda_u
-        self.lpa3_confidence_threshold = lpa3_confidence_threshold
-        self.lpa3_weight = lpa3_weight
-        self.lpa3_loss_warmup_epochs = lpa3_loss_warmup_epochs
-        self.lpa3_solve_trained_only = lpa3_solve_trained_only
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 

@@ -18,7 +18,8 @@ from lpa3_lightning.methods.noisy_training import (
     release_twins,
     whole_training_set_loader,
 )
-from lpa3_lightning.methods.pes import PESLPA3Mixin, check_lpa3_confidence
+from lpa3_lightning.methods.pes import PESLPA3Mixin
+from lpa3_lightning.methods.settings import PESSettings, settings_from, settings_hparams
 from lpa3_lightning.modules.classifier import check_datamodule_agrees
 from lpa3_lightning.modules.fixmatch_classifier import build_ssl_backbone
 
@@ -54,17 +55,14 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         momentum: SGD momentum (0.9).
         weight_decay: SGD weight decay (5e-4).
         refine_lr: Adam learning rate of the head in the refine phase (1e-4).
-        early_epochs: T1 (authors: 20 on CIFAR-10, 35 on CIFAR-100).
-        refine_epochs: T2 (5).
-        lambda_u: unlabeled loss weight after the ramp (authors: 150).
-        temperature: sharpening temperature (0.5).
-        alpha: mixup Beta parameter (4); ``alpha_late`` (0.75) from ``alpha_late_epoch``
-            (None: half-way through the epochs outside the refine phase, as the authors' epoch
-            150 of 300; a negative value never switches).
-        rampup_epochs: ramp length of the unlabeled weight (16).
-        lpa3_mixup: mix the ``x'`` up with the labeled views (authors) or train them unmixed.
-        lpa3_confidence: attack only unlabeled rows whose sharpened guess (temperature 0.5) is
-            at least this sure of its label (None: all, as the authors).
+        pes: the mixin's settings (:class:`~lpa3_lightning.methods.settings.PESSettings`: T1
+            ``early_epochs`` 20 (35 on CIFAR-100), T2 ``refine_epochs`` 5, ``lambda_u`` 150,
+            ``temperature`` 0.5, mixup's ``alpha`` 4 and ``alpha_late`` 0.75 from
+            ``alpha_late_epoch``, ``rampup_epochs`` 16, ``class_weight_cap`` 3, ``lpa3_mixup``,
+            ``lpa3_confidence``, ``train_forward``), or a mapping of its fields; None: the
+            defaults. Here ``alpha_late_epoch=None`` is half-way through the epochs outside the
+            refine phase (the authors' epoch 150 of 300) and a negative value never switches. In a
+            YAML config, ``pes:`` with the fields under it.
         freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
         model: use this network instead of building ``arch``.
@@ -85,49 +83,31 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         refine_lr: float = 1e-4,
-        early_epochs: int = 20,
-        refine_epochs: int = 5,
-        lambda_u: float = 150.0,
-        temperature: float = 0.5,
-        alpha: float = 4.0,
-        alpha_late: float = 0.75,
-        alpha_late_epoch: int | None = None,
-        rampup_epochs: float = 16.0,
-        lpa3_mixup: bool = True,
-        lpa3_confidence: float | None = None,
+        pes: PESSettings | None = None,
         freeze_head_in_semi: bool = False,
         twin_bn: bool = True,
         model: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        checks = [("early_epochs", early_epochs, 1), ("refine_epochs", refine_epochs, 0), ("num_classes", num_classes, 2)]
-        for name, value, low in checks + ([("num_samples", num_samples, 2)] if num_samples is not None else []):
+        for name, value, low in [("num_classes", num_classes, 2)] + ([("num_samples", num_samples, 2)]
+                                                                      if num_samples is not None else []):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. early_epochs=20, "
-                                 "refine_epochs=5, num_samples=<training set size>.")
-        for name, value in (("lr", lr), ("refine_lr", refine_lr), ("temperature", temperature), ("alpha", alpha),
-                            ("alpha_late", alpha_late), ("rampup_epochs", rampup_epochs)):
+                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. num_classes=10, "
+                                 "num_samples=<training set size>.")
+        for name, value in (("lr", lr), ("refine_lr", refine_lr)):
             if not value > 0:
-                raise ValueError(f"`{name}` must be > 0, got {value!r}.")
-        if lambda_u < 0:
-            raise ValueError(f"`lambda_u` must be >= 0, got {lambda_u!r}. Fix: use 150 (PES) or 25 (small sets).")
-        check_lpa3_confidence(lpa3_confidence)
+                raise ValueError(f"`{name}` must be > 0, got {value!r}. Fix: use lr=0.02 and refine_lr=1e-4 (PES).")
+        self.lpa3_settings = settings_from(PESSettings, pes, "pes")
         self.save_hyperparameters(ignore=["model"])
+        # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
+        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
+        self.save_hyperparameters({"pes": settings_hparams(self.lpa3_settings)})
         self.automatic_optimization = False
         net = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
         self.model = convert_dual_bn(net) if twin_bn else net
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_samples
-        self.pes_early_epochs = early_epochs
-        self.pes_refine_epochs = refine_epochs
-        self.pes_lambda_u = lambda_u
-        self.pes_temperature = temperature
-        self.pes_alpha = alpha
-        self.pes_alpha_late = alpha_late
-        self.pes_rampup_epochs = rampup_epochs
-        self.pes_lpa3_mixup = lpa3_mixup
-        self.pes_lpa3_confidence = lpa3_confidence
-        self._alpha_late_epoch_arg = alpha_late_epoch
+        self._alpha_late_start: int | None = None  # from alpha_late_epoch and the run's length, at fit start
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
@@ -146,23 +126,27 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         sgd = torch.optim.SGD(self.model.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         adam = torch.optim.Adam(self.pes_head().parameters(), lr=hp.refine_lr)
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 300
-        cosine_epochs = max(1, max_epochs - self.pes_refine_epochs)
+        cosine_epochs = max(1, max_epochs - self.lpa3_settings.refine_epochs)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=cosine_epochs, eta_min=hp.lr / 100)
         return [sgd, adam], [scheduler]
 
     def on_fit_start(self) -> None:
         self._pes_sizes()  # a missing training-set size is named now, not at the semi phase
-        if self.pes_lambda_u == 0 and lpa3_callbacks(self.trainer):
+        if self.lpa3_settings.lambda_u == 0 and lpa3_callbacks(self.trainer):
             # x' are weighted like the unlabeled loss (lambda_u x ramp), so each attack would train nothing
-            raise ValueError("LPA3Callback is attached but lambda_u=0, the weight of the x' term, so every attack "
-                             "would train nothing. Fix: pass lambda_u > 0 (e.g. 25, or PES's 150), or drop the "
-                             "callback.")
-        arg = self._alpha_late_epoch_arg
-        max_epochs = self.trainer.max_epochs or 0
-        counted = max_epochs - self.pes_refine_epochs  # the authors' refine epochs are not outer epochs
-        self.pes_alpha_late_epoch = (self.pes_refine_epochs + counted // 2 if counted > 0 else None) if arg is None \
-            else (None if arg < 0 else int(arg))
+            raise ValueError("LPA3Callback is attached but pes.lambda_u=0, the weight of the x' term, so every "
+                             "attack would train nothing. Fix: pass pes.lambda_u > 0 (e.g. 25, or PES's 150), or "
+                             "drop the callback.")
+        start, refine = self.lpa3_settings.alpha_late_epoch, self.lpa3_settings.refine_epochs
+        counted = (self.trainer.max_epochs or 0) - refine  # the authors' refine epochs are not outer epochs
+        self._alpha_late_start = (refine + counted // 2 if counted > 0 else None) if start is None \
+            else (None if start < 0 else start)
         self._anchored = anchor_twins_without_callback(self.trainer, [self.model])
+
+    def pes_alpha_late_start(self) -> int | None:
+        """The first epoch of ``alpha_late`` as resolved at fit start: ``alpha_late_epoch``, for None
+        half of the run outside the refine phase, for a negative value never (None before a fit)."""
+        return self._alpha_late_start
 
     def on_fit_end(self) -> None:
         if getattr(self, "_anchored", False):
@@ -172,7 +156,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         epoch = self.current_epoch
         semi = self.pes_phase(epoch) == "semi"
         self.pes_begin_epoch(epoch, whole_training_set_loader(self.trainer, self.global_rank) if semi else [])
-        if epoch == self.pes_early_epochs and self.pes_refine_epochs > 0:
+        if epoch == self.lpa3_settings.early_epochs and self.lpa3_settings.refine_epochs > 0:
             sgd, _ = self.optimizers()  # type: ignore[misc]
             for p in self.pes_head().parameters():  # the re-initialised head starts without momentum
                 sgd.optimizer.state.pop(p, None)

@@ -97,13 +97,15 @@ def test_show_command_draws_the_other_ready_modules_checkpoints(tmp_path, capsys
 
     pl.seed_everything(0)
     if family == "fixmatch":
-        module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, lpa3_loss_warmup_epochs=0)
+        module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10,
+                                    fixmatch={"lpa3_loss_warmup_epochs": 0})
         data = SemiSupervisedDataModule("mnist5k", num_labels=10, batch_size=4, mu=2, steps_per_epoch=1)
     elif family == "pes":
-        module = PESClassifier(arch="small_cnn", in_channels=1, num_classes=10, early_epochs=1, refine_epochs=0)
+        module = PESClassifier(arch="small_cnn", in_channels=1, num_classes=10,
+                               pes={"early_epochs": 1, "refine_epochs": 0})
         data = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
     else:
-        module = DivideMixClassifier(arch="small_cnn", in_channels=1, num_classes=10, warmup_epochs=1)
+        module = DivideMixClassifier(arch="small_cnn", in_channels=1, num_classes=10, dividemix={"warmup_epochs": 1})
         data = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
     callback = LPA3Callback(ratio=0.5, sigma=0.03, steps=1, seed=0)
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", callbacks=[callback],

@@ -204,8 +204,8 @@ def _syncbn_run(out: Path, mode: str) -> None:
         if mode == "syncbn_pes_grid":
             logger = TensorBoardLogger(out, name="")
             callback_args = {"logging": {"images_every_n_epochs": 1, "num_images": 4}}
-        module = PESClassifier(num_classes=3, num_samples=N, model=_synced(_net()), twin_bn=False, early_epochs=1,
-                               refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0)
+        module = PESClassifier(num_classes=3, num_samples=N, model=_synced(_net()), twin_bn=False,
+                               pes={"early_epochs": 1, "refine_epochs": 1, "lambda_u": 5.0, "rampup_epochs": 1.0})
         split = module._pes_split_rows
 
         def rank1_all_labeled(idx):
@@ -215,8 +215,8 @@ def _syncbn_run(out: Path, mode: str) -> None:
         module._pes_split_rows = rank1_all_labeled
         loader = DataLoader(NoisyTwoViews(N), batch_size=PER_RANK_BATCH, shuffle=True)
     else:  # syncbn_dividemix
-        module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0,
-                                     twin_bn=False)
+        module = DivideMixClassifier(num_classes=3, num_samples=N, twin_bn=False,
+                                     dividemix={"warmup_epochs": 1, "lambda_u": 5.0, "rampup_epochs": 1.0})
         module.net1, module.net2 = _synced(module.net1), _synced(module.net2)
         labeled = module._dm_labeled
 
@@ -266,8 +266,8 @@ def main(out: Path, mode: str) -> None:
         from lpa3_lightning import PESClassifier
         from tests.methods.test_pes import NoisyTwoViews, _net
 
-        module = PESClassifier(num_classes=3, num_samples=N, model=_net(), early_epochs=1, refine_epochs=1,
-                               lambda_u=5.0, rampup_epochs=1.0)
+        module = PESClassifier(num_classes=3, num_samples=N, model=_net(),
+                               pes={"early_epochs": 1, "refine_epochs": 1, "lambda_u": 5.0, "rampup_epochs": 1.0})
         callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=2)
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS + 1, callbacks=[callback],
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -282,8 +282,9 @@ def main(out: Path, mode: str) -> None:
         from lpa3_lightning import DivideMixClassifier
         from tests.methods.test_pes import NoisyTwoViews
 
-        module = DivideMixClassifier(num_classes=3, num_samples=N, warmup_epochs=1, lambda_u=5.0, rampup_epochs=1.0,
-                                     stratified_split=mode == "dividemix_stratified")
+        module = DivideMixClassifier(num_classes=3, num_samples=N,
+                                     dividemix={"warmup_epochs": 1, "lambda_u": 5.0, "rampup_epochs": 1.0,
+                                                "stratified_split": mode == "dividemix_stratified"})
         callback = LPA3Callback(ratio=0.9, steps=2, seed=0, warmup_epochs=1, cache={"regenerate_every_n_epochs": 2})
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,

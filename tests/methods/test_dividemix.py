@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from lpa3_lightning.methods.dividemix_parts import (
     clean_probability_per_class,
     normalized_losses,
 )
-from lpa3_lightning.mixins import DivideMixLPA3Mixin
+from lpa3_lightning.mixins import DivideMixLPA3Mixin, DivideMixSettings
 from tests.methods.test_pes import NUM_CLASSES, NoisyTwoViews, _net
 
 N = 48
@@ -29,7 +30,7 @@ class TwoNets(DivideMixLPA3Mixin, nn.Module):
         torch.manual_seed(0)
         self.a, self.b = _net(), _net()
         self.lpa3_num_classes, self.lpa3_num_samples = NUM_CLASSES, N
-        self.dividemix_warmup_epochs = warmup
+        self.lpa3_settings = DivideMixSettings(warmup_epochs=warmup)
         self.epoch = 0
 
     def dividemix_model(self, network: str) -> nn.Module:
@@ -37,6 +38,11 @@ class TwoNets(DivideMixLPA3Mixin, nn.Module):
 
     def dividemix_current_epoch(self) -> int:
         return self.epoch
+
+
+def _set(module: DivideMixLPA3Mixin, **changes) -> None:
+    """Change some of the module's DivideMix settings (a frozen dataclass: replaced, not mutated)."""
+    module.lpa3_settings = replace(module.lpa3_settings, **changes)
 
 
 def _batch(n: int = 12):
@@ -103,7 +109,7 @@ def test_the_per_class_split_fits_each_noisy_class_on_the_losses_the_loader_give
     data = NoisyTwoViews(N)
     fixed = [data[i] for i in range(N)]  # the views drawn once, so the check sees the same images
     module = TwoNets()
-    module.dividemix_split_per_class = True
+    _set(module, split_per_class=True)
     loader = DataLoader(fixed, batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(0))
     prob = module.dividemix_refresh_split(loader)
     x1 = torch.stack([row[0] for row in fixed])
@@ -122,7 +128,7 @@ def test_the_stratified_split_keeps_the_first_splits_count_and_each_class_lowest
     data = NoisyTwoViews(N)
     fixed = [data[i] for i in range(N)]
     module = TwoNets()
-    module.dividemix_stratified_split = True
+    _set(module, stratified_split=True)
     loader = DataLoader(fixed, batch_size=10, shuffle=False)
     x1 = torch.stack([row[0] for row in fixed])
 
@@ -148,7 +154,7 @@ def test_the_stratified_split_keeps_the_first_splits_count_and_each_class_lowest
     assert all(int(second[name].sum()) == counts[name] for name in counts)
     saved = module.dividemix_state_dict()
     resumed = TwoNets()
-    resumed.dividemix_stratified_split = True
+    _set(resumed, stratified_split=True)
     resumed.dividemix_load_state_dict(saved)
     assert resumed._dm_state()["stratified_count"] == counts
     resumed.a.load_state_dict(module.a.state_dict())
@@ -168,7 +174,7 @@ def test_the_stratified_split_with_a_mixture_per_class_keeps_each_class_first_co
         return ~flipped & ((idx % period == a) | (idx % period == b))
 
     module, data, by_index = _oracles(errs_in_each_class(6, 1, 2), errs_in_each_class(9, 4, 5))
-    module.dividemix_stratified_split = module.dividemix_split_per_class = True
+    _set(module, stratified_split=True, split_per_class=True)
     loader = DataLoader(by_index, batch_size=10, shuffle=False)
     first = module.dividemix_refresh_split(loader)
     expected = {}
@@ -185,16 +191,16 @@ def test_the_stratified_split_with_a_mixture_per_class_keeps_each_class_first_co
         assert torch.bincount(data.noisy[second[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
     saved = module.dividemix_state_dict()
     resumed, _, _ = _oracles(module.a.wrong, module.b.wrong)
-    resumed.dividemix_stratified_split = resumed.dividemix_split_per_class = True
+    _set(resumed, stratified_split=True, split_per_class=True)
     resumed.dividemix_load_state_dict(saved)
     assert resumed._dm_state()["stratified_count"] == expected
     after_resume = resumed.dividemix_refresh_split(loader)  # the restored counts are the ones used
     for name in expected:
         assert torch.bincount(data.noisy[after_resume[name] == 1], minlength=NUM_CLASSES).tolist() == expected[name]
     other_flags, _, _ = _oracles(module.a.wrong, module.b.wrong)  # per-class counts without split_per_class
-    other_flags.dividemix_stratified_split = True
+    _set(other_flags, stratified_split=True)
     other_flags.dividemix_load_state_dict(saved)
-    with pytest.raises(ValueError, match="one count per class.*`split_per_class` is False"):
+    with pytest.raises(ValueError, match="one count per class.*`dividemix.split_per_class` is False"):
         other_flags.dividemix_refresh_split(loader)
 
 
@@ -205,7 +211,7 @@ def test_the_per_class_count_waits_for_a_split_with_both_sides_in_every_class():
     flipped, idx = data.noisy != data.clean, torch.arange(N)
     assert not bool(flipped[data.noisy == 2].any())  # class 2: every label clean
     module, data, by_index = _oracles(torch.zeros(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool))
-    module.dividemix_stratified_split = module.dividemix_split_per_class = True
+    _set(module, stratified_split=True, split_per_class=True)
     loader = DataLoader(by_index, batch_size=10, shuffle=False)
     module.dividemix_refresh_split(loader)  # perfect oracles: class 2 is all clean, one side only
     assert module._dm_state().get("stratified_count", {}) == {}
@@ -241,8 +247,8 @@ def test_semi_loss_equals_an_independent_computation(monkeypatch, prior_weight, 
     if class_prior == "skewed":
         prior_probs = torch.arange(1, NUM_CLASSES + 1, dtype=torch.float32)
         prior_probs = prior_probs / prior_probs.sum()
-        module.dividemix_class_prior = tuple(prior_probs.tolist())
-    module.dividemix_prior_weight = prior_weight
+        _set(module, class_prior=tuple(prior_probs.tolist()))
+    _set(module, prior_weight=prior_weight)
     monkeypatch.setattr("lpa3_lightning.methods.dividemix.mixup_lambda", lambda alpha: 0.7)
     batch = _batch()
     x1, x2, y, idx = batch
@@ -282,16 +288,19 @@ def test_the_class_prior_tensor_is_built_once_per_setting_and_a_bad_setting_is_r
     module = TwoNets()
     assert module._dm_prior(torch.device("cpu")) is None  # uniform
     skewed = torch.arange(1, NUM_CLASSES + 1, dtype=torch.float64)
-    module.dividemix_class_prior = tuple((skewed / skewed.sum()).tolist())
+    _set(module, class_prior=tuple((skewed / skewed.sum()).tolist()))
     first = module._dm_prior(torch.device("cpu"))
-    assert torch.allclose(first.double(), torch.tensor(module.dividemix_class_prior, dtype=torch.float64))
+    assert torch.allclose(first.double(), torch.tensor(module.lpa3_settings.class_prior, dtype=torch.float64))
     assert module._dm_prior(torch.device("cpu")) is first  # reused, not rebuilt every step
-    module.dividemix_class_prior = (1 / NUM_CLASSES,) * NUM_CLASSES
+    _set(module, class_prior=(1 / NUM_CLASSES,) * NUM_CLASSES)
     second = module._dm_prior(torch.device("cpu"))
     assert second is not first and torch.allclose(second, torch.full((NUM_CLASSES,), 1 / NUM_CLASSES))
     module.lpa3_num_classes = NUM_CLASSES + 1  # the same prior no longer fits: checked again, refused
-    with pytest.raises(ValueError, match="`dividemix_class_prior` must hold num_classes="):
+    with pytest.raises(ValueError, match="`dividemix.class_prior` holds 3 class frequencies, but the module has "
+                                         "lpa3_num_classes=4"):
         module._dm_prior(torch.device("cpu"))
+    with pytest.raises(ValueError, match="`dividemix.class_prior` must hold num_classes=2 positive frequencies"):
+        DivideMixSettings(class_prior=(0.5, 0.6))  # the values are checked once, when the settings are built
 
 
 def test_prior_penalty_checks_the_shape_of_a_prior_off_the_host_without_reading_its_values(monkeypatch):
@@ -325,7 +334,7 @@ def test_the_guessing_forwards_move_no_running_statistic_and_feed_the_tcs_record
 def test_with_guess_bn_updates_the_guessing_forward_moves_the_running_statistics_as_the_authors():
     module = TwoNets()
     _planted_split(module)
-    module.dividemix_guess_bn_updates = True
+    _set(module, guess_bn_updates=True)
     running = {k: v.clone() for k, v in module.a.state_dict().items() if "running_mean" in k}
     module.lpa3_request(_batch(), network="net1")  # net1's guess: its own train-mode forward of both views
     assert all(not torch.equal(running[k], v) for k, v in module.a.state_dict().items() if k in running)
@@ -340,7 +349,7 @@ def test_warmup_trains_each_network_on_its_own_view_with_cross_entropy():
         expected = F.cross_entropy(copy.deepcopy(module.a).train()(x1), y)
     assert torch.allclose(loss1, expected, atol=1e-5)
     assert torch.equal(module.lpa3_request(batch, network="net2").inputs, x2)
-    module.dividemix_negative_entropy = True
+    _set(module, negative_entropy=True)
     loss_ne, _ = module.dividemix_loss(batch, "net2")
     with torch.no_grad():
         logits = copy.deepcopy(module.b).train()(x2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,7 +17,7 @@ from lpa3_lightning import LPA3Callback
 from lpa3_lightning.core.augmented import AugmentedBatch
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.methods.fixmatch import split_semi_supervised_batch
-from lpa3_lightning.mixins import FixMatchLPA3Mixin
+from lpa3_lightning.mixins import FixMatchLPA3Mixin, FixMatchSettings
 from tests.helpers import indexed_images
 
 NUM_CLASSES = 3
@@ -34,12 +35,11 @@ class UserFixMatch(FixMatchLPA3Mixin, pl.LightningModule):
     def __init__(self, num_unlabeled: int, loss_warmup: int = 0, confidence: float = 0.9) -> None:
         super().__init__()
         # the fits below use 0.4: an untrained 3-class network reaches 0.9 on no row, and the
-        # callback solves only the rows the loss will weigh (lpa3_solve_trained_only)
-        self.lpa3_confidence_threshold = confidence
+        # callback solves only the rows the loss will weigh (solve_trained_only)
+        self.lpa3_settings = FixMatchSettings(lpa3_confidence_threshold=confidence, lpa3_loss_warmup_epochs=loss_warmup)
         self.net = convert_dual_bn(_net())
         self.lpa3_num_classes = NUM_CLASSES
         self.lpa3_num_samples = num_unlabeled
-        self.lpa3_loss_warmup_epochs = loss_warmup
         self.parts: list[dict[str, float]] = []
 
     def lpa3_model(self) -> nn.Module:
@@ -327,7 +327,7 @@ def test_the_request_marks_the_rows_the_loss_will_train():
     assert module.lpa3_request(batch).train_mask.tolist() == [False] * 4  # the LP-A3 term is still warming up
     FakeTrainer.current_epoch = 1
     assert module.lpa3_request(batch).train_mask.tolist() == [True, False, False, True]  # confidence >= 0.9
-    module.lpa3_solve_trained_only = False
+    module.lpa3_settings = replace(module.lpa3_settings, solve_trained_only=False)
     assert module.lpa3_request(batch).train_mask is None  # the authors' cost: every selected row solved
 
 
@@ -361,8 +361,8 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
         # some rows pass, some do not; with a cache no loss warm-up (an x' cached in it would be
         # reused after it, which the run that does not solve in the warm-up cannot do)
         module = UserFixMatch(num_unlabeled=64, loss_warmup=0 if cache else 1, confidence=0.7)
-        module.lpa3_solve_trained_only = solve_trained_only
-        module.lpa3_train_forward = train_forward
+        module.lpa3_settings = replace(module.lpa3_settings, solve_trained_only=solve_trained_only,
+                                       train_forward=train_forward)
         callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None,
                                 cache={"regenerate_every_n_epochs": 2, "attack_new_selections": False} if cache else None)
         _trainer(tmp_path, [callback], max_epochs=3).fit(module, _loaders())

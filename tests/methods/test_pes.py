@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lpa3_lightning import LPA3Callback, PESClassifier
 from lpa3_lightning.methods.mixmatch import mixup, mixup_lambda, probability_mse, sharpen, soft_cross_entropy
-from lpa3_lightning.mixins import split_two_view_batch
+from lpa3_lightning.mixins import PESSettings, split_two_view_batch
 from tests.helpers import independent_logp_drop, indexed_images
 
 NUM_CLASSES = 3
@@ -73,7 +74,8 @@ def _fit(module: PESClassifier, epochs: int, callback: LPA3Callback | None = Non
 
 
 def test_phases_and_the_refine_phase_reinitialises_the_head_in_place():
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=2, refine_epochs=1)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
+                           pes=PESSettings(early_epochs=2, refine_epochs=1))
     assert [module.pes_phase(e) for e in range(5)] == ["early", "early", "refine", "semi", "semi"]
     head = module.pes_head()
     before = head.weight.detach().clone()
@@ -116,16 +118,16 @@ def test_a_split_loader_that_leaves_samples_out_is_refused_with_the_fix():
 
 
 def test_lambda_u_zero_with_the_callback_is_refused_at_fit_start(tmp_path):
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=0,
-                           lambda_u=0.0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
+                           pes=PESSettings(early_epochs=1, refine_epochs=0, lambda_u=0.0))
     with pytest.raises(ValueError, match="lambda_u=0"):
         _fit(module, 1, LPA3Callback(steps=1, warmup_epochs=1), tmp_path)
 
 
 def test_loss_terms_in_the_early_and_semi_phases():
     torch.manual_seed(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
-                           refine_epochs=0, lambda_u=10.0, rampup_epochs=4)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False,
+                           pes=PESSettings(early_epochs=1, refine_epochs=0, lambda_u=10.0, rampup_epochs=4))
     batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
     x1, x2, y, idx = batch
     loss, parts = module.pes_loss(batch)  # epoch 0: early
@@ -161,7 +163,7 @@ def test_loss_terms_in_the_early_and_semi_phases():
 def test_the_ramp_up_reads_the_trainers_batches_per_epoch_when_not_given():
     """A module that calls pes_loss(batch, batch_idx) under a trainer ramps per step, not per batch."""
     module, batch = _semi_phase_module_and_batch()
-    module.pes_lambda_u, module.pes_rampup_epochs = 10.0, 4
+    module.lpa3_settings = replace(module.lpa3_settings, lambda_u=10.0, rampup_epochs=4)
     torch.manual_seed(5)
     _, explicit = module.pes_loss(batch, batch_idx=2, batches_per_epoch=8)
     module._trainer = SimpleNamespace(num_training_batches=8)  # what Lightning attaches
@@ -178,8 +180,8 @@ def test_the_ramp_up_reads_the_trainers_batches_per_epoch_when_not_given():
 def _semi_phase_module_and_batch() -> tuple[PESClassifier, list]:
     """A PES module in its semi phase (epoch 1) on a 24-row batch whose first 10 rows are labeled."""
     torch.manual_seed(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
-                           refine_epochs=0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False,
+                           pes=PESSettings(early_epochs=1, refine_epochs=0))
     module.pes_current_epoch = lambda: 1  # type: ignore[method-assign]
     batch = next(iter(DataLoader(NoisyTwoViews(), batch_size=24)))
     labeled = torch.zeros(48, dtype=torch.bool)
@@ -199,8 +201,8 @@ def test_the_request_holds_the_unlabeled_rows_whose_guess_is_sure_enough(thresho
     sure = guess.max(1).values
     keep = torch.ones(14, dtype=torch.bool)
     if threshold:  # a threshold between the guesses' confidences, so that it bites
-        module.pes_lpa3_confidence = float(sure.median())
-        keep = sure >= module.pes_lpa3_confidence
+        module.lpa3_settings = replace(module.lpa3_settings, lpa3_confidence=float(sure.median()))
+        keep = sure >= module.lpa3_settings.lpa3_confidence
         assert 0 < int(keep.sum()) < 14
     request = module.lpa3_request(batch)
     assert torch.equal(request.indices, idx[10:][keep]) and torch.equal(request.targets, guess.argmax(1)[keep])
@@ -214,7 +216,7 @@ def test_with_a_confidence_each_x_prime_is_trained_against_its_own_rows_guess(mo
     module, batch = _semi_phase_module_and_batch()
     guess = module.pes_guess(batch).clone()  # the step's guess (forwarded once, reused by the loss)
     sure = guess.max(1).values
-    module.pes_lpa3_confidence = float(sure.median())
+    module.lpa3_settings = replace(module.lpa3_settings, lpa3_confidence=float(sure.median()))
     request = module.lpa3_request(batch)
     mask = torch.zeros(len(request.indices), dtype=torch.bool)
     mask[1::2] = True  # the callback picked every other offered row
@@ -228,14 +230,16 @@ def test_with_a_confidence_each_x_prime_is_trained_against_its_own_rows_guess(mo
 
     monkeypatch.setattr(pes_module, "augmented_mixmatch_loss", capture)
     module.pes_loss(batch)
-    offered = sure >= module.pes_lpa3_confidence
+    offered = sure >= module.lpa3_settings.lpa3_confidence
     assert torch.equal(seen["target"].argmax(1), request.targets[mask])  # each x' with the label it kept
     assert torch.equal(seen["target"], guess[offered][mask])
 
 
 def test_a_confidence_outside_0_1_is_refused():
-    with pytest.raises(ValueError, match="lpa3_confidence"):
-        PESClassifier(num_classes=NUM_CLASSES, num_samples=48, lpa3_confidence=1.5)
+    with pytest.raises(ValueError, match=r"`pes.lpa3_confidence` must be None or a number in \(0, 1\], got 1.5"):
+        PESSettings(lpa3_confidence=1.5)
+    with pytest.raises(ValueError, match="`pes.lpa3_confidence`"):  # a mapping is built into the same dataclass
+        PESClassifier(num_classes=NUM_CLASSES, num_samples=48, pes={"lpa3_confidence": 1.5})
 
 
 def test_a_batch_of_another_layout_is_refused_with_the_fix():
@@ -246,8 +250,9 @@ def test_a_batch_of_another_layout_is_refused_with_the_fix():
 @pytest.mark.parametrize("mixed", [True, False])
 def test_ready_module_fits_with_the_callback_and_x_prime_keeps_its_guessed_label_as_trained(mixed, tmp_path):
     pl.seed_everything(0)
-    module = Recording(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=2, refine_epochs=1,
-                       lambda_u=5.0, rampup_epochs=1, lpa3_mixup=mixed)
+    module = Recording(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
+                       pes=PESSettings(early_epochs=2, refine_epochs=1, lambda_u=5.0, rampup_epochs=1,
+                                       lpa3_mixup=mixed))
     callback = LPA3Callback(ratio=0.9, sigma=0.02, steps=2, warmup_epochs=3, seed=0)
     trainer = _fit(module, epochs=5, callback=callback, tmp_path=tmp_path)
     semi = [p for p in module.parts if p.get("train/unlabeled_weight", 0.0) > 0]
@@ -267,7 +272,8 @@ def test_ready_module_fits_with_the_callback_and_x_prime_keeps_its_guessed_label
 
 def test_without_the_callback_it_is_plain_pes_and_the_split_is_in_the_checkpoint(tmp_path):
     pl.seed_everything(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
+                           pes=PESSettings(early_epochs=1, refine_epochs=1))
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
     data = DataLoader(NoisyTwoViews(), batch_size=16, shuffle=True)
@@ -283,6 +289,7 @@ def test_without_the_callback_it_is_plain_pes_and_the_split_is_in_the_checkpoint
     trainer.save_checkpoint(path)
     restored = PESClassifier.load_from_checkpoint(path, model=_net())
     assert torch.equal(restored._pes_labeled, module._pes_labeled.cpu())
+    assert restored.lpa3_settings == module.lpa3_settings  # rebuilt from the hyper-parameters' mapping
 
 
 class PlainTwoViews(Dataset):
@@ -313,8 +320,8 @@ class EpochStartSnapshot(pl.Callback):
 
 def test_refine_changes_the_head_only_and_the_split_covers_samples_the_loader_drops(tmp_path):
     pl.seed_everything(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
-                           twin_bn=False)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False,
+                           pes=PESSettings(early_epochs=1, refine_epochs=1))
     snapshots = EpochStartSnapshot()
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[snapshots])
@@ -340,8 +347,9 @@ def test_refine_changes_the_head_only_and_the_split_covers_samples_the_loader_dr
 
 def test_the_unmixed_lpa3_term_is_the_mse_of_the_x_prime_against_their_guess():
     torch.manual_seed(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False, early_epochs=1,
-                           refine_epochs=0, lambda_u=2.0, rampup_epochs=1, lpa3_mixup=False)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), twin_bn=False,
+                           pes=PESSettings(early_epochs=1, refine_epochs=0, lambda_u=2.0, rampup_epochs=1,
+                                           lpa3_mixup=False))
     module.pes_current_epoch = lambda: 5  # type: ignore[method-assign]  # ramp done: weight 2
     batch = next(iter(DataLoader(PlainTwoViews(), batch_size=12)))
     x1, _, y, idx = batch
@@ -390,8 +398,8 @@ def test_the_callback_solves_only_in_the_epochs_the_module_trains_x_prime(monkey
 
     monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
     pl.seed_everything(0)
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
-                           lambda_u=5.0, rampup_epochs=1.0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
+                           pes=PESSettings(early_epochs=1, refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0))
     _fit(module, 4, callback, tmp_path)
     assert [module.lpa3_consumes_augmented(e) for e in range(4)] == [False, False, True, True]
     assert set(solved) == {2, 3} and all(n > 0 for n in solved.values())  # the semi phase only
@@ -403,8 +411,8 @@ def test_the_cache_windows_start_where_the_module_starts_training_x_prime(monkey
     callback's warm-up they would regenerate in epoch 3, one epoch into the first window)."""
     solve = __import__("lpa3_lightning.callback.augment_stage", fromlist=["lpa3_attack"]).lpa3_attack
     epochs: set[int] = set()
-    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(), early_epochs=1, refine_epochs=1,
-                           lambda_u=5.0, rampup_epochs=1.0)
+    module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
+                           pes=PESSettings(early_epochs=1, refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0))
 
     def counted(model, x, y, **kwargs):
         epochs.add(module.trainer.current_epoch)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lpa3_lightning import LPA3Callback, LPA3Classifier
 from lpa3_lightning.core.dual_bn import has_dual_bn
-from lpa3_lightning.mixins import split_indexed_batch
+from lpa3_lightning.mixins import SupervisedSettings, split_indexed_batch
 from tests.helpers import indexed_images, small_cnn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +67,29 @@ def test_loss_is_clean_plus_augmented_cross_entropy_through_the_twin():
     assert module.lpa3_take_augmented() is None  # consumed
     recorded = module.lpa3_pop_predictions()
     assert recorded is not None and torch.equal(recorded[0], idx)
+
+
+def test_the_supervised_settings_weigh_the_hard_positives_and_come_back_from_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    module = LPA3Classifier(model=small_cnn(num_classes=3), num_classes=3, supervised=SupervisedSettings(weight=0.25))
+    assert module.hparams["supervised"] == {"train_forward": "verified", "weight": 0.25}  # the fields, plain values
+    from lpa3_lightning.core.augmented import AugmentedBatch
+    from lpa3_lightning.core.solver_forward import label_log_prob
+
+    x, y, idx = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0]), torch.arange(4)
+    _, statistics = label_log_prob(module.model, x[:2], y[:2], bn_mode="twin")
+    module.lpa3_set_augmented(AugmentedBatch(x[:2] + 0.1, y[:2], idx[:2], torch.tensor([True, True, False, False]),
+                                             bn_mode="twin", bn_statistics=statistics))
+    loss, _, parts = module.lpa3_supervised_loss((x, y, idx))
+    torch.testing.assert_close(loss.detach(), parts["loss_clean"] + 0.25 * parts["loss_aug"])
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, accelerator="cpu", default_root_dir=tmp_path,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(indexed_images(8), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    restored = LPA3Classifier.load_from_checkpoint(tmp_path / "m.ckpt", model=small_cnn(num_classes=3))
+    assert restored.lpa3_settings == SupervisedSettings(weight=0.25)
+    with pytest.raises(ValueError, match="`supervised.weight` must be a finite number >= 0, got -1"):
+        LPA3Classifier(supervised={"weight": -1})
 
 
 def test_validation_metrics_are_medmnist_acc_and_auc(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from lpa3_lightning import DivideMixClassifier, LPA3Callback
 from lpa3_lightning.data import train_loader
+from lpa3_lightning.mixins import DivideMixSettings
 from tests.helpers import independent_logp_drop, indexed_images, lpa3_state
 from tests.methods.test_pes import NUM_CLASSES, NoisyTwoViews
 
@@ -59,10 +61,14 @@ def _independent_guess(own, other, x1, x2, idx, augmented, w_other) -> torch.Ten
 
 
 def _module(cls=DivideMixClassifier, **kwargs: Any) -> DivideMixClassifier:
+    """The module on the synthetic set; a keyword that names a DivideMixSettings field goes there."""
     torch.manual_seed(0)
-    settings = {"num_classes": NUM_CLASSES, "num_samples": N, "warmup_epochs": 1, "lambda_u": 5.0,
-                "rampup_epochs": 1.0}
-    return cls(**{**settings, **kwargs})
+    names = {f.name for f in fields(DivideMixSettings)}
+    settings = {"warmup_epochs": 1, "lambda_u": 5.0, "rampup_epochs": 1.0,
+                **{k: v for k, v in kwargs.items() if k in names}}
+    arguments = {k: v for k, v in kwargs.items() if k not in names}
+    return cls(**{"num_classes": NUM_CLASSES, "num_samples": N, "dividemix": DivideMixSettings(**settings),
+                  **arguments})
 
 
 def _trainer(epochs: int, callbacks: list, tmp_path, **kwargs: Any) -> pl.Trainer:
@@ -190,23 +196,37 @@ def test_a_callback_without_a_warmup_solves_nothing_in_dividemixs_warmup(tmp_pat
     assert solved_in and min(solved_in) == 1  # epoch 0 is DivideMix's warm-up (warmup_epochs=1)
 
 
-@pytest.mark.parametrize("kwargs, match", [({"threshold": 1.0}, "threshold"), ({"lambda_u": -1}, "lambda_u"),
-                                           ({"loss_history": 0}, "loss_history"), ({"warmup_epochs": -1}, "warmup"),
-                                           ({"prior_weight": -1.0}, "prior_weight"),
-                                           ({"num_classes": 2, "class_prior": [0.3, 0.3]}, "class_prior"),
-                                           ({"num_classes": 2, "class_prior": [0.2, 0.3, 0.5]}, "class_prior"),
-                                           ({"seed": -1}, "`seed`"), ({"seed": 1.5}, "`seed`")])
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dividemix": {"threshold": 1.0}}, "`dividemix.threshold`"),
+    ({"dividemix": {"lambda_u": -1}}, "`dividemix.lambda_u`"),
+    ({"dividemix": {"loss_history": 0}}, "`dividemix.loss_history`"),
+    ({"dividemix": {"warmup_epochs": -1}}, "`dividemix.warmup_epochs`"),
+    ({"dividemix": {"prior_weight": -1.0}}, "`dividemix.prior_weight`"),
+    ({"num_classes": 2, "dividemix": {"class_prior": [0.3, 0.3]}}, "`dividemix.class_prior` must hold"),
+    ({"num_classes": 2, "dividemix": {"class_prior": [0.2, 0.3, 0.5]}},
+     "`dividemix.class_prior` holds 3 class frequencies for num_classes=2"),
+    ({"dividemix": {"seed": -1}}, "`dividemix.seed`"), ({"dividemix": {"seed": 1.5}}, "`dividemix.seed`"),
+    ({"lr": 0.0}, "`lr`"), ({"num_samples": 1}, "`num_samples`")])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DivideMixClassifier(**kwargs)
 
 
+def test_the_settings_argument_takes_the_dataclass_or_its_fields_and_refuses_a_typo():
+    module = DivideMixClassifier(num_samples=N, dividemix={"warmup_epochs": 3, "class_prior": [0.1] * 10})
+    assert module.lpa3_settings == DivideMixSettings(warmup_epochs=3, class_prior=(0.1,) * 10)
+    assert module.hparams["dividemix"]["warmup_epochs"] == 3  # the effective fields, a plain mapping
+    assert DivideMixClassifier().lpa3_settings == DivideMixSettings()  # None: the defaults
+    with pytest.raises(TypeError, match=r"`dividemix` has no setting \['lamda_u'\]"):
+        DivideMixClassifier(dividemix={"lamda_u": 1.0})
+
+
 def test_a_zero_weight_for_x_prime_is_refused_when_the_callback_attacks(tmp_path):
     trainer = _trainer(1, [LPA3Callback(steps=1, warmup_epochs=1)], tmp_path, limit_train_batches=1)
-    with pytest.raises(ValueError, match=r"\(lambda_u=0 and lpa3_weight=None\)"):
+    with pytest.raises(ValueError, match=r"\(dividemix.lambda_u=0 and dividemix.lpa3_weight=None\)"):
         trainer.fit(_module(lambda_u=0.0), _data())
     trainer = _trainer(1, [LPA3Callback(steps=1, warmup_epochs=1)], tmp_path, limit_train_batches=1)
-    with pytest.raises(ValueError, match=r"\(lpa3_weight=0\)"):  # the reason given is the one that applies
+    with pytest.raises(ValueError, match=r"\(dividemix.lpa3_weight=0\)"):  # the reason given is the one that applies
         trainer.fit(_module(lpa3_weight=0.0), _data())
 
 

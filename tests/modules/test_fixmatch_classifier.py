@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lpa3_lightning import FixMatchClassifier, LPA3Callback
 from lpa3_lightning.cli import build_cli
 from lpa3_lightning.data import SemiSupervisedDataModule
+from lpa3_lightning.mixins import FixMatchSettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "ssl"
 
@@ -31,7 +32,8 @@ def _trainer(tmp_path, callbacks, max_epochs: int) -> pl.Trainer:
 
 def test_ready_module_fits_with_lpa3_and_ema_then_resumes(tmp_path):
     pl.seed_everything(0)
-    module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, lpa3_loss_warmup_epochs=1)
+    module = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10,
+                                fixmatch=FixMatchSettings(lpa3_loss_warmup_epochs=1))
     lpa3 = LPA3Callback(ratio=0.5, sigma=0.02, steps=1, seed=0)
     ema = EMAWeightAveraging(decay=0.999)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
@@ -51,8 +53,12 @@ def test_ready_module_fits_with_lpa3_and_ema_then_resumes(tmp_path):
     assert "lpa3/label_preserved_epoch" in trainer.callback_metrics
     assert "val/acc" in trainer.callback_metrics
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["hyper_parameters"]["fixmatch"]["lpa3_loss_warmup_epochs"] == 1  # the fields, a plain mapping
+    loaded = FixMatchClassifier.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert loaded.lpa3_settings == module.lpa3_settings
     # resume: the TCS memory, the EMA weights and the labeled split come back
-    module2 = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, lpa3_loss_warmup_epochs=1)
+    module2 = FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10,
+                                 fixmatch=FixMatchSettings(lpa3_loss_warmup_epochs=1))
     lpa3_2 = LPA3Callback(ratio=0.5, sigma=0.02, steps=1, seed=0)
     ema2 = EMAWeightAveraging(decay=0.999)
     restored: dict = {}
@@ -94,7 +100,7 @@ def test_each_ssl_config_parses(config, tmp_path):
 
 
 def test_a_non_bool_solve_trained_only_is_refused_by_name():
-    from lpa3_lightning import FixMatchClassifier
-
-    with pytest.raises(ValueError, match="lpa3_solve_trained_only` must be True or False"):
-        FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, lpa3_solve_trained_only="yes")
+    with pytest.raises(ValueError, match="`fixmatch.solve_trained_only` must be True or False"):
+        FixMatchClassifier(arch="small_cnn", in_channels=1, num_classes=10, fixmatch={"solve_trained_only": "yes"})
+    with pytest.raises(TypeError, match=r"`fixmatch` has no setting \['lpa3_solve_trained_only'\]"):
+        FixMatchClassifier(fixmatch={"lpa3_solve_trained_only": True})  # the former name: not a field

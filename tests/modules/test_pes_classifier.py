@@ -27,14 +27,14 @@ def test_each_noisy_config_parses(config, tmp_path):
     assert model.hparams.num_classes == data.num_classes and model.hparams.in_channels == data.in_channels
     if callbacks:
         # x' are used from the semi-supervised phase on: the attack's warm-up covers the two first phases
-        start = model.pes_semi_start if isinstance(model, PESClassifier) else model.dividemix_warmup_epochs
+        start = model.pes_semi_start if isinstance(model, PESClassifier) else model.lpa3_settings.warmup_epochs
         assert callbacks[0].warmup_epochs == start
         # (sigma, ratio and the rest of the paper rows: tests/test_paper_rows.py, against the reference)
         assert callbacks[0].steps == 5
     if config.startswith("cifar"):
         assert data.noise_convention == "any" and model.hparams.arch == "preact_resnet18"
     if isinstance(model, DivideMixClassifier):  # the class shares where the classes are unequal (ours)
-        prior = model.hparams.class_prior
+        prior = model.lpa3_settings.class_prior
         assert (prior is not None) == config.startswith("pneumoniamnist"), prior
         if prior is not None:  # PneumoniaMNIST's training set: 1,214 normal of 4,708
             assert prior == pytest.approx([1214 / 4708, 1 - 1214 / 4708], abs=5e-4)
@@ -68,7 +68,7 @@ def test_the_asymmetric_dividemix_row_carries_the_confidence_penalty(tmp_path):
     # the asymmetric row (the symmetric ones: tests/test_paper_rows.py): DivideMix's confidence penalty
     # for asymmetric noise (LiJunnan1992/DivideMix Train_cifar.py:237-238, NegEntropy) and lambda_u 0
     asym = model_of("cifar10_asym40_dividemix.yaml")
-    assert asym.dividemix_lambda_u == 0.0 and asym.dividemix_negative_entropy
+    assert asym.lpa3_settings.lambda_u == 0.0 and asym.lpa3_settings.negative_entropy
 
 
 @pytest.mark.parametrize("config", ["mnist5k_sym80_dividemix_st.yaml", "mnist5k_sym80_dividemix_st_lpa3.yaml"])
@@ -78,7 +78,7 @@ def test_the_stratified_rows_carry_the_settings_they_were_measured_with(config, 
             f"--trainer.logger.init_args.save_dir={tmp_path}", f"--data.init_args.noise_file={tmp_path / 'noise.json'}"]
     cli = build_cli(args, run=False)
     model = cli.model
-    assert isinstance(model, DivideMixClassifier) and model.dividemix_stratified_split
-    assert not model.dividemix_split_per_class and model.dividemix_warmup_epochs == 10
+    assert isinstance(model, DivideMixClassifier) and model.lpa3_settings.stratified_split
+    assert not model.lpa3_settings.split_per_class and model.lpa3_settings.warmup_epochs == 10
     assert cli.trainer.max_epochs == 16 and cli.datamodule.hparams.batch_size == 64
     assert (cli.datamodule.noise_rate, cli.datamodule.noise_convention) == (0.8, "other")
