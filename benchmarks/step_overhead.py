@@ -8,6 +8,9 @@ batch 128, Adam, one process per configuration (so peak memory is per configurat
   lpa3            + LPA3Callback(ratio=--ratio (0.5, the MedMNIST table's), steps=5), default solver
                   (runtime.sync_free="auto": the sync-free per-batch path on a GPU, the default path on the CPU)
   lpa3_eager      the same with runtime.sync_free=False (the default path everywhere; on a GPU, the "before")
+  lpa3_log_every_step  lpa3 with its diagnostics measured on every step (logging.every_n_steps=1, the
+                  behaviour before 0.2.0; the default measures them on the Trainer's logging steps and each
+                  epoch's first, here 1 step in 5)
   lpa3_graphs     the sync-free path with runtime.cuda_graphs=True (the solver replayed as a CUDA graph;
                   on the CPU the padded rows solved eagerly)
   lpa3_fast       + the same with fast=True
@@ -41,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import StepTimer, sync  # noqa: E402
 
-CONFIGS = ("baseline", "lpa3", "lpa3_eager", "lpa3_graphs", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy",
+CONFIGS = ("baseline", "lpa3", "lpa3_log_every_step", "lpa3_eager", "lpa3_graphs", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy",
            "lpa3_cached_graphs")
 
 
@@ -64,7 +67,8 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
                                       cache={"regenerate_every_n_epochs": 10 if config.startswith("lpa3_cached") else 1,
                                              "attack_new_selections": config != "lpa3_cached_lazy"},
                                       runtime={"sync_free": False if config == "lpa3_eager" else True if graphs else "auto",
-                                               "cuda_graphs": graphs}))
+                                               "cuda_graphs": graphs},
+                                      logging={"every_n_steps": 1 if config == "lpa3_log_every_step" else None}))
     module = LPA3Classifier(arch="resnet18", in_channels=1, num_classes=2, twin_bn=config != "baseline")
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -75,6 +79,7 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
     on_gpu = device.type == "cuda"
     result = {
         "step_s": statistics.median([t for e in measured for t in timer.steps[e]]),
+        "mean_step_s": statistics.mean([t for e in measured for t in timer.steps[e]]),
         "epochs_s": {e: timer.epochs[e] for e in measured},
         "reused": timer.reused,
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
@@ -84,7 +89,7 @@ def _worker(config: str, epochs: int, accelerator: str, ratio: float = 0.5) -> d
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before),
     }
     if graphs:  # how often the solve was captured (a capture costs a few eager solves) and replayed
-        solver_graphs = callbacks[-1].solver_graphs  # type: ignore[attr-defined]
+        solver_graphs = callbacks[-1].runner().solver_graphs  # type: ignore[attr-defined]
         result["captures"], result["replays"] = solver_graphs.captures, solver_graphs.replays
     if config == "lpa3":
         result["attack_s"], result["x_adv_pass_s"] = _floor(module.to(device), ratio)
@@ -146,6 +151,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5, help="LP-A3 ratio (tau); the MedMNIST table uses 0.5")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
                         help="which configurations to run (baseline always runs: every ratio is to it)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every configuration's result to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.epochs < 2:
@@ -174,10 +180,16 @@ def main() -> None:
     base_epoch = statistics.median(base["epochs_s"].values())
     print("peak MB = peak GPU memory allocated" if args.accelerator in ("gpu", "cuda") else
           "peak MB = peak resident memory of the process minus its size after imports (the training's own)")
-    print(f"{'config':20} {'step s':>8} {'x base':>7} {'epoch s':>8} {'x base':>7} {'peak MB':>8} {'x base':>7}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"torch": torch.__version__, "where": where, "ratio": args.ratio,
+                                         "results": results}, indent=1))
+    print(f"{'config':20} {'step s':>8} {'x base':>7} {'mean s':>8} {'x base':>7} {'epoch s':>8} {'x base':>7} "
+          f"{'peak MB':>8} {'x base':>7}")
     for config, r in results.items():
         epoch = statistics.median(r["epochs_s"].values())
-        print(f"{config:20} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {epoch:8.2f} "
+        print(f"{config:20} {r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}x {r['mean_step_s']:8.3f} "
+              f"{r['mean_step_s'] / base['mean_step_s']:6.2f}x {epoch:8.2f} "
               f"{epoch / base_epoch:6.2f}x {r['peak_mb']:8.0f} {r['peak_mb'] / base['peak_mb']:6.2f}x")
     lp = results.get("lpa3")
     # the amortized epoch's floor: the baseline epoch, a training pass on x' every step, and the
@@ -206,7 +218,7 @@ def main() -> None:
           f"training pass on x' = {extra:.3f} s): {floor:.3f} s; lpa3 step is {results['lpa3']['step_s'] / floor:.2f}x "
           "the floor")
     print(f"floor / baseline step: {floor / base['step_s']:.2f}x")
-    for config in [c for c in ("lpa3_eager", "lpa3_graphs", "lpa3_fast") if c in results]:
+    for config in [c for c in ("lpa3_log_every_step", "lpa3_eager", "lpa3_graphs", "lpa3_fast") if c in results]:
         r = results[config]
         graphs = f"; {r['captures']} graphs captured, {r['replays']} solves replayed" if "captures" in r else ""
         print(f"{config}: step {r['step_s'] / floor:.2f}x the floor{graphs}")

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import TensorDataset
 
 from lpa3_lightning.data import IndexedDataset

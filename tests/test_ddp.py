@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from lpa3_lightning import TimeConsistency
-from lpa3_lightning.core.distributed import bytes_per_sample, deduplicate_first, gather_predictions
+from lpa3_lightning.core.distributed import (
+    bytes_per_sample,
+    deduplicate_first,
+    exchange_sizes,
+    gather_padded,
+    gather_rows,
+)
 from tests.ddp.run_ddp import EPOCHS, N_PADDED, PER_RANK_BATCH, N, no_bn_net
 from tests.helpers import indexed_images, lpa3_state
 
@@ -40,8 +46,8 @@ def _run(tmp_path: Path, mode: str, timeout: float = 300) -> subprocess.Complete
 #: the runs that end normally, made one after the other in one launch of two processes (their
 #: start-up is most of a short run's time); the runs that must fail (a refusal on one rank) and
 #: the one whose whole log is read get their own launch
-SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "ignore_aug+replicated", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
-                "padded+sync_free", "padded+replicated", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
+SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "ignore_aug+sharded", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
+                "padded+sync_free", "padded+sharded", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
                 "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid", "user_module")
 
 
@@ -60,11 +66,10 @@ def _results(shared: Path, mode: str) -> tuple[dict, dict]:
 
 
 def _same_on_both_ranks(tcs0: dict, tcs1: dict) -> None:
-    """Scores, seen flags and threshold equal on both ranks; the stored predictions split over them
-    (sharded, the default under DDP: rank 0's state assembles them all, rank 1's has none)."""
-    for key in ("scores", "seen", "threshold"):
+    """Scores, seen flags, threshold and stored predictions equal on both ranks (a memory this
+    small is kept whole on every rank)."""
+    for key in ("scores", "seen", "threshold", "memory"):
         assert torch.equal(tcs0[key], tcs1[key]) or bool(tcs0[key].isnan().all() & tcs1[key].isnan().all()), key
-    assert tcs0["memory"] is not None and tcs1["memory"] is None
 
 
 def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeConsistency]:
@@ -125,7 +130,7 @@ def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shar
 def test_the_sharded_memory_runs_the_same_fit_as_the_replicated_one(shared, mode):
     """Under DDP each rank keeps half the stored predictions: the same selections, memory (as rank
     0 assembles it), scores and weights as the run where every rank keeps all of them."""
-    sharded, replicated = _results(shared, mode), _results(shared, mode + "+replicated")
+    sharded, replicated = _results(shared, mode + "+sharded"), _results(shared, mode)
     for rank in (0, 1):
         assert len(sharded[rank]["steps"]) == len(replicated[rank]["steps"])
         for (idx_a, a), (idx_b, b) in zip(sharded[rank]["steps"], replicated[rank]["steps"]):
@@ -136,6 +141,7 @@ def test_the_sharded_memory_runs_the_same_fit_as_the_replicated_one(shared, mode
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(sharded[0]["tcs"][key], replicated[0]["tcs"][key]), key
     assert torch.equal(replicated[1]["tcs"]["memory"], replicated[0]["tcs"]["memory"])  # (whole on both)
+    assert sharded[1]["tcs"]["memory"] is None  # (rank 0's state assembled the split memory)
     assert sum(int(m.sum()) for _, m in sharded[0]["steps"]) > 0
 
 
@@ -173,16 +179,18 @@ def test_bad_input_on_one_rank_stops_every_rank_with_the_reason(tmp_path):
     assert done.returncode != 0
     log = done.stdout + done.stderr
     assert "Labels out of range (simulated on one rank)" in log
-    assert "another process refused its batch" in log
+    assert "another process failed in this step" in log
 
 
-def test_gather_is_a_no_op_in_one_process_and_dedup_keeps_first():
+def test_the_exchange_is_a_no_op_in_one_process_and_dedup_keeps_first():
     idx, probs = torch.tensor([2, 0]), torch.rand(2, 3)
-    out = gather_predictions(idx, probs)
-    assert out[0] is idx and out[1] is probs and out[2] is None
+    assert exchange_sizes(2) == [2]
+    out = gather_padded([idx, probs], [2])
+    assert out[0] is idx and out[1] is probs
+    assert gather_rows(idx, probs)[1] is probs
     assert deduplicate_first(torch.tensor([5, 5, 1, 5, 1])).tolist() == [True, False, True, False, False]
     assert deduplicate_first(torch.tensor([], dtype=torch.long)).numel() == 0
-    assert bytes_per_sample(10) == 8 + 40 + 8
+    assert bytes_per_sample(10) == 8 + 8 + 8 + 40
 
 
 def test_a_user_written_module_trains_through_warmup_under_ddp(shared):

@@ -149,7 +149,7 @@ def test_cache_and_checkpoint_resume(tmp_path, device):
     assert float(trainer.callback_metrics["lpa3/reused_fraction_epoch"]) > 0  # epoch 1 reused epoch 0's x'
     ckpt = tmp_path / "two.ckpt"
     trainer.save_checkpoint(ckpt)
-    saved_seen = int(callback.state_dict()["tcs"]["seen"].sum())
+    saved_seen = int(callback.state_dict()["networks"][""]["tcs"]["seen"].sum())
 
     resumed = _callback(device, ratio=0.5, steps=2, seed=0, cache={"regenerate_every_n_epochs": 2})
     trainer2 = _trainer(tmp_path, [resumed], max_epochs=3, limit_train_batches=3, device=device)
@@ -361,7 +361,7 @@ def test_a_fit_with_cuda_graphs_replays_and_keeps_the_label_as_trained(tmp_path,
     callback = _callback(device, ratio=0.3, steps=3, seed=0, runtime={"cuda_graphs": True})  # sync_free="auto": on a GPU
     trainer = _trainer(tmp_path, [callback], max_epochs=3, device=device)
     trainer.fit(module, datamodule=_breast(device))
-    graphs = callback.solver_graphs
+    graphs = callback.runner().solver_graphs
     if device == "cuda":  # (on the CPU the padded rows are solved eagerly: nothing is captured)
         assert graphs.captures >= 1 and graphs.replays > graphs.captures, (graphs.captures, graphs.replays)
     assert len(graphs._entries) == 0  # released at the end of the fit

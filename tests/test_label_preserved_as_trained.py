@@ -5,8 +5,9 @@ callback attack real training batches inside ``Trainer.fit`` and records, in
 ``training_step``, the logits of ``x'`` that the loss actually uses (the run's forward, mode
 and precision). The reference ``log p(y|x)`` is recomputed here without the package's
 normalisation code: a copy of the model whose BatchNorms carry, as running statistics, the
-statistics that normalisation must use (the twins' batch statistics of the clean selected
-samples, obtained with momentum 1 in train mode; or the running statistics at attack time),
+statistics that normalisation must use (the batch statistics, obtained with momentum 1 in train
+mode, of the clean selected samples in the twins or, without twins, of the whole clean batch in
+the model's own BatchNorms),
 evaluated in eval mode. Nothing reads the solver's own ``preserved`` flag.
 """
 
@@ -64,7 +65,8 @@ class Recorder(SupervisedLPA3Mixin, pl.LightningModule):
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
             logits_aug = self.lpa3_forward_augmented(augmented)  # the forward the loss uses
-            self.records.append({"model": before, "epoch": self.current_epoch, "x": x[augmented.mask].detach().clone(),
+            self.records.append({"model": before, "epoch": self.current_epoch, "batch": x.detach().clone(),
+                                 "x": x[augmented.mask].detach().clone(),
                                  "x_adv": augmented.inputs.detach().clone(), "y": augmented.targets.clone(),
                                  "logits_aug": logits_aug.detach().float().clone(), "dtype": logits.dtype})
             loss = loss + F.cross_entropy(logits_aug, augmented.targets)
@@ -82,7 +84,10 @@ def independent_shares(records: list[dict[str, Any]], twin_bn: bool) -> tuple[fl
     """(kept in the training forward, kept in the deployed model, max |reference - trained logits|)."""
     kept, kept_eval, total, mismatch = 0, 0, 0, 0.0
     for r in records:
-        ref = reference_model(r["model"], r["x"], twin_bn)
+        # the normalisation x' is trained under: through the twins, the clean selected rows' batch
+        # statistics; without twins (solver.attack_bn resolves to "batch"), the model's own
+        # BatchNorms on the whole clean batch's
+        ref = reference_model(r["model"], r["x"] if twin_bn else r["batch"], mode="twin" if twin_bn else "batch")
         with torch.no_grad():
             logp_x = label_logp(ref(r["x"].float()), r["y"])
             logits_ref_adv = ref(r["x_adv"].float())
@@ -99,8 +104,9 @@ def independent_shares(records: list[dict[str, Any]], twin_bn: bool) -> tuple[fl
 
 def _fit(module: Recorder, loader: DataLoader, tmp_path, warmup: int, epochs: int, precision: str = "32-true",
          **callback_kwargs: Any) -> pl.Trainer:
+    # every step measured: the logs are compared with counts over every batch below
     callback = LPA3Callback(ratio=0.5, sigma=SIGMA, warmup_epochs=warmup, seed=0, input_range=None,
-                            **callback_kwargs)
+                            logging={"every_n_steps": 1}, **callback_kwargs)
     trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=warmup + epochs, accelerator="cpu", devices=1,
                          precision=precision, callbacks=[callback], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -5,7 +5,11 @@
   state, and every later step's x' on each rank (each rank's solver noise is its own again);
 * the recipe of docs/multinode.md: a CLI config, unchanged, on two "nodes" (two torchrun agents
   on 127.0.0.1, one process each) ends with the TCS memory, selection scores and weights of the
-  same config on one node with two processes.
+  same config on one node with two processes;
+* and against one process without DDP (the algorithm, not only the launcher): a config whose
+  network has no BatchNorm, trained without x' (a warm-up as long as the run), on two nodes with
+  8 rows each ends with the TCS memory and weights of one process with batches of 16, up to float
+  rounding (the two ranks' batches together are the one process's batch: the same permutation).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from tests.helpers import lpa3_state
-from torch.utils.data import DistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 FIT_DDP = ROOT / "tests" / "multinode" / "fit_ddp.py"
@@ -127,3 +131,38 @@ def test_a_cli_config_on_two_torchrun_nodes_equals_one_node_with_two_processes(t
     assert int(tcs_one["seen"].sum()) >= 2 * 8  # an epoch's batch on each of 2 processes: both ranks' rows
     for key, value in one["state_dict"].items():
         assert torch.equal(value, two["state_dict"][key]), key
+
+
+def _single_process_config(tmp_path: Path) -> Path:
+    """lpa3_tau0.5.yaml with a network without BatchNorm and a warm-up as long as the run."""
+    text = (ROOT / "configs" / "medmnist" / "lpa3_tau0.5.yaml").read_text()
+    text = text.replace("        ratio: 0.5\n", "        ratio: 0.5\n        warmup_epochs: 2\n")
+    text = text.replace("    twin_bn: true\n", "    twin_bn: true\n    model:\n      class_path: tests.multinode.nets.NoBatchNormNet\n")
+    path = tmp_path / "no_batchnorm.yaml"
+    path.write_text(text)
+    assert "warmup_epochs: 2" in text and "NoBatchNormNet" in text
+    return path
+
+
+def test_two_torchrun_nodes_equal_one_process_without_ddp(tmp_path):
+    config = _single_process_config(tmp_path)
+    run = [arg if arg != "configs/medmnist/lpa3_tau0.5.yaml" else str(config) for arg in CLI_RUN]
+    run[run.index("--trainer.limit_train_batches") + 1] = "3"
+    port = _free_port()
+    nodes = [_start(["--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                     "--master_port", str(port), *run, "--trainer.devices", "1", "--trainer.num_nodes", "2",
+                     "--trainer.default_root_dir", str(tmp_path / "two_nodes")]) for rank in (0, 1)]
+    for node in nodes:
+        _finish(node)
+    single = [arg for arg in run if arg not in ("--trainer.strategy", "ddp")]
+    single[single.index("--data.init_args.batch_size") + 1] = "16"  # the two ranks' 2 x 8 rows
+    _finish(_start(["--standalone", "--nproc_per_node", "1", *single, "--trainer.devices", "1",
+                    "--trainer.default_root_dir", str(tmp_path / "one_process")]))
+    two, one = _lpa3_checkpoint(tmp_path / "two_nodes"), _lpa3_checkpoint(tmp_path / "one_process")
+    tcs_two, tcs_one = lpa3_state(two)["tcs"], lpa3_state(one)["tcs"]
+    assert torch.equal(tcs_two["seen"], tcs_one["seen"]) and int(tcs_one["seen"].sum()) >= 3 * 16
+    for key in ("memory", "scores"):
+        torch.testing.assert_close(tcs_two[key], tcs_one[key], rtol=0, atol=1e-5, msg=key)
+    torch.testing.assert_close(tcs_two["threshold"], tcs_one["threshold"], rtol=0, atol=1e-5)
+    for key, value in one["state_dict"].items():
+        torch.testing.assert_close(two["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=key)

@@ -9,9 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-
 
 SCRIPT = Path(__file__).resolve().parent / "resume" / "run_resume.py"
 

@@ -59,7 +59,8 @@ class UserResNet(LPA3ModuleMixin, pl.LightningModule):
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):
             logits_aug = self.lpa3_forward_augmented(augmented)
-            self.records.append({"model": before, "x": x[augmented.mask].detach().clone(), "y": augmented.targets,
+            self.records.append({"model": before, "batch": x.detach().clone(), "x": x[augmented.mask].detach().clone(),
+                                 "y": augmented.targets,
                                  "x_adv": augmented.inputs.detach().clone(), "logits_aug": logits_aug.detach().clone()})
             loss = loss + F.cross_entropy(logits_aug, augmented.targets)
         return loss
@@ -68,18 +69,29 @@ class UserResNet(LPA3ModuleMixin, pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class RecordsStats(LPA3Callback):
+    """Keeps each batch's solver statistics of its x' (distance in the model's features, projected)."""
+
+    def on_augmented(self, trainer, pl_module, augmented):
+        if augmented.stats is not None and len(augmented):
+            self.stats.append((augmented.stats.perceptual_distance, augmented.stats.projected))
+
+    stats: list = []
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[UserResNet, pl.Trainer, list]:
+def run(tmp_path_factory) -> tuple[UserResNet, pl.Trainer, list, RecordsStats]:
     pl.seed_everything(0)
     module = UserResNet()
-    callback = LPA3Callback(ratio=0.2, sigma=SIGMA, seed=0, input_range=(0.0, 1.0))
+    callback = RecordsStats(ratio=0.2, sigma=SIGMA, seed=0, input_range=(0.0, 1.0))
+    callback.stats = []
     trainer = pl.Trainer(default_root_dir=tmp_path_factory.mktemp("tv"), max_epochs=2, accelerator="cpu", devices=1,
                          callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(digits_32px(), batch_size=16, shuffle=True))
-    return module, trainer, [str(w.message) for w in caught]
+    return module, trainer, [str(w.message) for w in caught], callback
 
 
 def _logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -87,24 +99,27 @@ def _logp(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_x_prime_of_a_torchvision_resnet_move_in_its_feature_space(run):
-    module, trainer, messages = run
-    assert len(module.records) >= 20
-    moved = torch.cat([(r["x_adv"] - r["x"]).flatten(1).norm(dim=1) for r in module.records])
-    assert float(moved.median()) > 0.5, moved  # a tenth of the 32x32x3 [0, 1] box's diagonal is 5.5
-    assert float(trainer.callback_metrics["lpa3/perceptual_distance_epoch"]) > 0.05
-    assert float(trainer.callback_metrics["lpa3/projected_epoch"]) < 0.5
+    """Attacked and trained on its own BatchNorms with the clean batch's statistics ("batch" mode):
+    before, on the running statistics, training on x' diverged (NaN weights) and most x' came back
+    as x (perceptual distance 1e-4 or less, 67-100% pulled back by the bisection)."""
+    module, _, messages, callback = run
+    assert len(module.records) >= 10
+    distance = torch.cat([d for d, _ in callback.stats])
+    projected = torch.cat([p for _, p in callback.stats]).float()
+    assert float(distance.median()) > 0.01, distance  # (the x' of noise alone: ~0.003)
+    assert float(projected.mean()) < 0.5
     assert not [m for m in messages if "barely moved" in m]
     assert all(torch.isfinite(p).all() for p in module.parameters())  # training on x' did not diverge
 
 
 def test_every_x_prime_keeps_its_label_in_the_forward_that_trains_it(run):
     """Re-measured with the records' own models: the clean rows' log p under the normalisation the
-    training forward must use (the clean selected rows' batch statistics, written into a copy's
-    BatchNorms), against the log p of the logits the loss used. Tiny selections included."""
-    module, _, _ = run
+    training forward must use (the clean batch's statistics, written into a copy's BatchNorms),
+    against the log p of the logits the loss used. Tiny selections included."""
+    module = run[0]
     kept = total = 0
     for r in module.records:
-        reference = reference_model(r["model"], r["x"], mode="batch")
+        reference = reference_model(r["model"], r["batch"], mode="batch")
         with torch.no_grad():
             logp_x = _logp(reference(r["x"]), r["y"])
         kept += int((_logp(r["logits_aug"], r["y"]) >= logp_x - SIGMA).sum())

@@ -113,11 +113,20 @@ class Augmenter:
             mask = mask & in_mask
             x, y, idx = (t.index_select(0, trained.to(t.device)) for t in (x, y, idx))
         model, bn_mode = self.attack_model(module, reference_x)
+        if bn_mode == "batch":
+            # The model's own BatchNorms normalise x' with the statistics of the clean batch it trains on
+            # (every finite row), as they normalise its clean rows: a handful of selected rows would make
+            # degenerate statistics (two rows: a variance from two values), on which log p turns so steep
+            # that the bisection pulls nearly every x' back to x.
+            finite_rows = selected_positions(selection.finite, request.inputs.shape[0] - selection.nonfinite)
+            reference_x = request.inputs.index_select(0, finite_rows.to(request.inputs.device))
+            reference_y = request.targets.index_select(0, finite_rows.to(request.targets.device))
         stats, bn_statistics, self.pending, self.eval_preserved = None, None, None, None
         self.solver_seconds = None
         x_out, new_rows = x.detach().clone(), None
         if x.shape[0]:
-            frozen, bn_statistics = self.reference_forward(module, model, reference_x, reference_y, bn_mode, trained)
+            frozen, bn_statistics = self.reference_forward(module, model, reference_x, reference_y, bn_mode,
+                                                           trained, x, y)
             to_solve = x if solve is None else x[solve]
             solved = to_solve
             if to_solve.shape[0]:
@@ -152,18 +161,22 @@ class Augmenter:
         return model, resolve_bn_mode(model, self.settings.solver.attack_bn)
 
     def reference_forward(self, module: Any, model: nn.Module, x: Tensor, y: Tensor, bn_mode: str,
-                          trained: Tensor | None = None) -> tuple[Any, Any]:
-        """The clean ``log p(y|x)`` of the selected rows under the normalisation that the solver
-        checks and the training forward of x' uses (kept, for the rows at the positions
-        ``trained`` or all, to measure ``lpa3/label_preserved`` after the step). Returns the frozen
-        batch statistics of all these clean rows (None in ``"eval"`` mode) and the statistics x'
-        is trained under."""
+                          trained: Tensor | None = None, x_trained: Tensor | None = None,
+                          y_trained: Tensor | None = None) -> tuple[Any, Any]:
+        """The clean ``log p(y|x)`` of the reference rows ``x`` under the normalisation that the
+        solver checks and the training forward of x' uses, and their frozen batch statistics (None
+        in ``"eval"`` mode) with the statistics x' is trained under. The reference of the rows to
+        be trained (at the positions ``trained`` of ``x``, or ``x_trained`` in ``"batch"`` mode, whose
+        reference rows are the whole clean batch) is kept to measure ``lpa3/label_preserved``."""
         solver = self.settings.solver
-        reference, frozen = label_log_prob(
-            model, x, y, bn_mode=bn_mode, logits_fn=module.lpa3_logits, temperature=solver.temperature,
-            allow_tf32=solver.allow_tf32)
-        self.pending = (reference, y) if trained is None else \
-            (reference.index_select(0, trained.to(reference.device)), y.index_select(0, trained.to(y.device)))
+        options = dict(logits_fn=module.lpa3_logits, temperature=solver.temperature, allow_tf32=solver.allow_tf32)
+        reference, frozen = label_log_prob(model, x, y, bn_mode=bn_mode, **options)
+        if bn_mode == "batch":  # the trained rows' log p under the whole batch's statistics
+            reference, _ = label_log_prob(model, x_trained, y_trained, bn_mode=bn_mode, statistics=frozen, **options)
+            self.pending = (reference, y_trained)
+        else:
+            self.pending = (reference, y) if trained is None else \
+                (reference.index_select(0, trained.to(reference.device)), y.index_select(0, trained.to(y.device)))
         return frozen, frozen if bn_mode != "eval" else running_statistics(model)
 
     def preserved_in_eval_mode(self, module: Any, model: nn.Module, x: Tensor, x_adv: Tensor, y: Tensor) -> Tensor:

@@ -24,7 +24,8 @@ from lpa3_lightning.callback.module_checks import (
     input_range_of,
 )
 from lpa3_lightning.callback.networks import NetworkView, module_networks
-from lpa3_lightning.callback.runner import NetworkRunner, Prepared
+from lpa3_lightning.callback.rank_agreement import agree, consumes_of, same_on_every_rank
+from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
     CacheSettings,
     LoggingSettings,
@@ -124,7 +125,8 @@ class LPA3Callback(Callback):
         callback.runner().tcs  # the TCS memory after the fit
     """
 
-    #: how the methods find the callbacks of a Trainer without importing this module
+    #: the marker by which modules find the callbacks of a Trainer without importing this one
+    #: (:data:`lpa3_lightning.core.protocol.CALLBACK_MARKER`)
     is_lpa3_callback = True
 
     def __init__(
@@ -258,7 +260,7 @@ class LPA3Callback(Callback):
                     f"{num_classes!r}. Fix: set `self.lpa3_num_classes = num_classes` in __init__."
                 )
             num_samples = infer_num_samples(trainer, module, self.selection.num_samples)
-            if not _same_on_every_rank(trainer, pl_module, [num_samples, num_classes]):
+            if not same_on_every_rank(trainer, pl_module, [num_samples, num_classes]):
                 raise ValueError(
                     "The processes disagree on the training-set size or the number of classes. Fix: give every rank "
                     "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank "
@@ -269,38 +271,10 @@ class LPA3Callback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         each = self._each(pl_module)
-        prepared = [runner.prepare(trainer, module, batch, batch_idx, _consumes(module)) for runner, module in each]
-        self._agree(trainer, pl_module, prepared)
+        prepared = [runner.prepare(trainer, module, batch, batch_idx, consumes_of(module)) for runner, module in each]
+        agree(trainer, pl_module, prepared, list(self._runners))
         for (runner, module), ready in zip(each, prepared):
             runner.hand_over(trainer, module, ready, self.on_augmented)
-
-    def _agree(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Prepared]) -> None:
-        """The step's one reduction: every rank's failure and every network's consumes answer.
-
-        Raises:
-            The rank's own error; RuntimeError when another rank failed; ValueError when the
-            ranks answered ``lpa3_consumes_augmented`` differently.
-        """
-        flags = [float(any(p.error is not None for p in prepared))]
-        for p in prepared:
-            flags += [float(p.consumes), float(not p.consumes)]
-        if trainer.world_size > 1:
-            flags = trainer.strategy.reduce(torch.tensor(flags, device=pl_module.device), reduce_op="max").tolist()
-        own = next((p.error for p in prepared if p.error is not None), None)
-        if own is not None:
-            raise own
-        if flags[0] > 0:
-            raise RuntimeError("LPA3Callback stopped because another process failed in this step; that process's log "
-                               "has the reason and the fix.")
-        for k, name in enumerate(self._runners):
-            if flags[1 + 2 * k] > 0 and flags[2 + 2 * k] > 0:
-                network = "" if name is None else f" (network {name!r})"
-                raise ValueError(
-                    f"{type(pl_module).__name__}.lpa3_consumes_augmented({trainer.current_epoch}){network} answered "
-                    "True on some processes and False on others. It decides whether the step solves x' (and joins "
-                    "the x' cache's exchange), so it must answer the same on every rank. Fix: decide from the epoch "
-                    "(or another value every rank shares), not from the rank or the batch."
-                )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -391,23 +365,6 @@ class LPA3Callback(Callback):
 def _is_lpa3_state(state: Any) -> bool:
     """Whether a callback state in a checkpoint is an LPA3Callback's (of any class or settings)."""
     return isinstance(state, dict) and "networks" in state and "seed" in state and "version" in state
-
-
-def _consumes(module: Any) -> Any:
-    """The module's word on whether its loss trains ``x'`` in an epoch (a module without
-    :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented` always does)."""
-    consumes = getattr(module, "lpa3_consumes_augmented", None)
-    return consumes if callable(consumes) else (lambda epoch: True)
-
-
-def _same_on_every_rank(trainer: pl.Trainer, pl_module: pl.LightningModule, values: list[int]) -> bool:
-    """Whether every rank passed the same integers (one reduction at fit start)."""
-    if trainer.world_size <= 1:
-        return True
-    both = torch.tensor([float(v) for v in values] + [-float(v) for v in values], device=pl_module.device)
-    reduced = trainer.strategy.reduce(both, reduce_op="max").tolist()
-    n = len(values)
-    return all(reduced[k] == values[k] and -reduced[n + k] == values[k] for k in range(n))
 
 
 def _called_by_lightning() -> bool:

@@ -14,7 +14,7 @@ from lpa3_lightning.core.dual_bn import DualSyncBatchNorm, has_dual_bn
 from lpa3_lightning.core.feature_layers import resolve_layers
 from lpa3_lightning.core.input_box import InputRange
 from lpa3_lightning.core.model_outputs import unwrap_compiled
-from lpa3_lightning.methods.base import REQUIRED_METHODS
+from lpa3_lightning.core.protocol import REQUIRED_METHODS
 
 __all__ = ["check_module", "check_synced_batchnorm", "infer_num_samples", "input_range_of"]
 

@@ -133,7 +133,8 @@ class NetworkRunner:
         sel = s.selection
         kwargs = dict(divergence=sel.divergence, initial_memory=sel.initial_memory,
                       initial_selection=sel.initial_selection, seed=s.seed + self.offset,
-                      threshold_rule=sel.threshold_rule, device=device, storage_dtype=sel.memory_dtype)
+                      threshold_rule=sel.threshold_rule, device=device, storage_dtype=sel.memory_dtype,
+                      criterion=sel.criterion)
         if sel.sharded(num_samples, num_classes, s.world_size):
             return ShardedTimeConsistency(num_samples, num_classes, s.ratio, num_shards=s.world_size, shard=s.rank,
                                           **kwargs)

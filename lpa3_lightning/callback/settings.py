@@ -30,7 +30,7 @@ from typing import Any, Literal
 from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number
 from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
 from lpa3_lightning.core.input_box import MaxStep, check_max_step
-from lpa3_lightning.core.selection import check_initial_selection, check_threshold_rule
+from lpa3_lightning.core.selection import check_criterion, check_initial_selection, check_threshold_rule
 from lpa3_lightning.core.tcs import check_divergence, check_initial_memory, storage_dtype_of
 
 __all__ = ["CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
@@ -52,8 +52,9 @@ class SolverSettings:
         attack_bn: how BatchNorm normalises in the solver and in the training forward of ``x'``:
             ``"auto"`` (``"twin"`` when the model has twins, else ``"batch"`` when it has
             BatchNorm, else ``"eval"``), ``"twin"`` (the twins, on the clean selected rows'
-            batch statistics), ``"batch"`` (the model's own BatchNorms on those statistics,
-            running buffers untouched) or ``"eval"`` (the running statistics).
+            batch statistics), ``"batch"`` (the model's own BatchNorms on the statistics of the
+            whole clean batch, the ones its training forward normalises with; running buffers
+            untouched) or ``"eval"`` (the running statistics).
         allow_tf32: let the solver use TF32 on CUDA (off: full float32).
     """
 
@@ -93,6 +94,8 @@ class SelectionSettings:
             ``limit_train_batches`` never reached), ``"random"`` (a seeded ``ratio`` share) or
             ``"all"`` (the authors').
         threshold_rule: ``"count"`` (exactly ``round(ratio * N)``) or ``"authors"`` (one fewer).
+        criterion: ``"tcs"`` (LP-A3: the lowest time-consistency scores) or ``"random"`` (the
+            paper's ablation: a seeded random ``ratio`` share each epoch, the same count).
         memory_layout: where the stored predictions live under data parallelism: ``"auto"``
             (split over the processes when there are several and the predictions take more than
             :data:`SHARD_ABOVE_BYTES`, 256 MiB; else on every process), ``"sharded"`` (each process
@@ -110,6 +113,7 @@ class SelectionSettings:
     initial_memory: Literal["uniform", "authors"] = "uniform"
     initial_selection: Literal["random", "all"] = "random"
     threshold_rule: Literal["count", "authors"] = "count"
+    criterion: Literal["tcs", "random"] = "tcs"
     memory_layout: Literal["auto", "sharded", "replicated"] = "auto"
     memory_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -121,6 +125,7 @@ class SelectionSettings:
         check_initial_memory(self.initial_memory, "selection.initial_memory")
         check_initial_selection(self.initial_selection, "selection.initial_selection")
         check_threshold_rule(self.threshold_rule, "selection.threshold_rule")
+        check_criterion(self.criterion, "selection.criterion")
         check_choice(self.memory_layout, ("auto", "sharded", "replicated"), "selection.memory_layout", "use 'auto'.")
         storage_dtype_of(self.memory_dtype, "selection.memory_dtype")
 

@@ -64,6 +64,13 @@ def main(args: Any = None) -> None:
         show_main(argv[1:])
         return
     build_cli(args)
+    # the command's end: release the process group a DDP run created. Left to interpreter exit, gloo's
+    # threads can abort the process (SIGABRT, "terminate called without an active exception") after a
+    # run that succeeded, and torchrun then reports the job failed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # pragma: no cover

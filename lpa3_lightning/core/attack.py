@@ -150,7 +150,10 @@ def lpa3_attack(
         temperature: softmax temperature of ``log p``.
         generator: random generator for the initial noise (reproducibility).
         project: True (default) guarantees the constraint for every returned sample by a
-            bisection towards ``x``; False is the authors' loop unchanged.
+            bisection towards ``x``, with a margin inside sigma
+            (:func:`~lpa3_lightning.core.solver_loop.feasibility_margin`: 1% of sigma, at least
+            1e-4) that another forward's float rounding cannot cross; False is the authors' loop
+            unchanged.
         bisection_steps: halvings of the bisection (resolution ``2**-bisection_steps`` of the
             perturbation).
         bn_mode: ``"eval"`` (default): the whole model in eval mode, BN on its running

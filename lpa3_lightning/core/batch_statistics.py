@@ -3,22 +3,25 @@ and of the training forward of ``x'`` (no Lightning).
 
 A BatchNorm in train mode normalises each row with the statistics of its whole batch, so one
 row's output depends on the others: a per-sample constraint checked in one batch would not hold
-in another. The solver therefore normalises with the batch statistics of the clean selected
-rows, *frozen* for the call (captured by its first forward), and the training forward of
-``x'`` normalises with the same statistics, recomputed from those rows (reference-batch
-normalisation, Salimans et al., NeurIPS 2016): ``model(cat([x_reference, x']))`` with every row
-normalised by the first rows' statistics, gradients flowing through them as in ordinary batch
+in another. The solver therefore normalises with the batch statistics of clean reference rows,
+*frozen* for the call (captured by its first forward), and the training forward of ``x'``
+normalises with the same statistics, recomputed from those rows (reference-batch normalisation,
+Salimans et al., NeurIPS 2016): ``model(cat([x_reference, x']))`` with every row normalised by
+the reference rows' statistics, gradients flowing through them as in ordinary batch
 normalisation. No running buffer moves in either.
 
-Which BatchNorms (``mode``):
+Which BatchNorms (``mode``), and the reference rows :class:`~lpa3_lightning.LPA3Callback` gives:
 
 * ``"twin"``: the twin of every BatchNorm converted by
   :func:`~lpa3_lightning.core.dual_bn.convert_dual_bn` (the authors' choice: ``x'`` never share
-  the clean samples' normalisation parameters);
+  the clean samples' normalisation parameters), on the clean selected rows' statistics (the
+  authors' twins normalise the selected batch);
 * ``"batch"``: the model's own BatchNorms that train in train mode (a model without twins, e.g.
-  a torchvision network as it comes): the parameters are the clean samples', the statistics
-  those of the clean selected rows, as the model sees a batch in training. A BatchNorm the user
-  keeps in eval mode (frozen) keeps its running statistics.
+  a torchvision network as it comes), on the whole clean batch's statistics, as the model
+  normalises the batch it trains on. (On the selected rows alone, two or three rows of a small
+  selection gave degenerate statistics and a log p so steep that the bisection pulled most ``x'``
+  of a torchvision ResNet-18 back to ``x``.) A BatchNorm the user keeps in eval mode (frozen)
+  keeps its running statistics.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ probabilities); with a cache (``regenerate_every_n_epochs > 1``) each newly gene
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -131,8 +132,8 @@ def gather_padded(tensors: Sequence[Tensor], sizes: list[int]) -> list[Tensor]:
     for k, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(k)
     for dtype, members in by_dtype.items():
-        widths = [int(tensors[k][0].numel()) if tensors[k].dim() > 1 else 1 for k in members]
-        flat = [tensors[k].reshape(tensors[k].shape[0], -1).to(device) for k in members]
+        widths = [math.prod(tensors[k].shape[1:]) for k in members]
+        flat = [tensors[k].reshape(tensors[k].shape[0], width).to(device) for k, width in zip(members, widths)]
         packed = torch.cat(flat, dim=1) if flat else torch.empty(0, device=device, dtype=dtype)
         padded = packed.new_zeros((longest, packed.shape[1]))
         padded[: packed.shape[0]] = packed

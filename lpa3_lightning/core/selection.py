@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from lpa3_lightning.core.arguments import check_choice
+from lpa3_lightning.core.seeds import epoch_seed
 
 __all__ = [
-    "check_initial_selection", "check_ratio", "check_threshold_rule", "random_selection", "select_below_threshold",
+    "check_criterion", "check_initial_selection", "check_ratio", "check_threshold_rule", "random_selection", "select_below_threshold",
     "selected_count", "selection_threshold",
 ]
 
@@ -48,6 +49,11 @@ def selected_count(num_samples: int, ratio: float) -> int:
 def check_initial_selection(initial_selection: str, name: str = "initial_selection") -> None:
     """Raise a ValueError naming ``name`` unless ``initial_selection`` is ``"random"`` or ``"all"``."""
     check_choice(initial_selection, ("random", "all"), name, "use 'random' ('all' is the authors' choice).")
+
+
+def check_criterion(criterion: str, name: str = "criterion") -> None:
+    """Raise a ValueError naming ``name`` unless ``criterion`` is ``"tcs"`` or ``"random"``."""
+    check_choice(criterion, ("tcs", "random"), name, "use 'tcs' (LP-A3's selection; 'random' is its ablation).")
 
 
 def check_threshold_rule(rule: str, name: str = "threshold_rule") -> None:
@@ -104,7 +110,7 @@ def random_selection(indices: Tensor, num_samples: int, ratio: float, seed: int,
         >>> int(random_selection(torch.arange(10), 10, 0.3, seed=0, epoch=0).sum())
         3
     """
-    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
     order = torch.randperm(num_samples, generator=generator)
     chosen = torch.zeros(num_samples, dtype=torch.bool)
     chosen[order[: selected_count(num_samples, ratio)]] = True

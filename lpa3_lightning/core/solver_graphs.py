@@ -147,7 +147,7 @@ class SolverGraphs:
 
     def solve(self, rows: Callable[..., SolveOutputs], x: Tensor, y: Tensor, noise: Tensor,
               bounds: tuple[Tensor, Tensor] | None, step_bound: Tensor | float | None, context: SolverContext,
-              twin_statistics: BatchStatistics | None, model: nn.Module, key: Hashable) -> SolveOutputs:
+              bn_statistics: BatchStatistics | None, model: nn.Module, key: Hashable) -> SolveOutputs:
         """Run ``rows`` (the solver's loop) on ``x`` padded to its bucket; the outputs' real rows.
 
         Args:
@@ -157,7 +157,7 @@ class SolverGraphs:
             bounds: the input box as tensors, or None.
             step_bound: the step bound (a tensor is copied per call; a number is part of the key).
             context: enters the solver's forward mode with the frozen batch statistics it is given.
-            twin_statistics: the frozen batch statistics of the real rows (twin and batch mode), else None.
+            bn_statistics: the frozen batch statistics of the real rows (twin and batch mode), else None.
             model: the network (its parameters' and buffers' addresses are checked per call).
             key: everything else the loop bakes in (settings, BN mode, layers).
         """
@@ -171,15 +171,15 @@ class SolverGraphs:
         if memory != self._memory_key:  # a graph would read the old addresses
             self.reset()
             self._memory_key = memory
-        twin_layout = None if twin_statistics is None else tuple(
-            None if v is None else (tuple(v[0].shape), v[0].dtype) for v in twin_statistics.values)
+        bn_layout = None if bn_statistics is None else tuple(
+            None if v is None else (tuple(v[0].shape), v[0].dtype) for v in bn_statistics.values)
         full_key = (key, id(model), size, tuple(x.shape[1:]), x.dtype, y.dtype, x.device, capture,
                     None if bounds is None else (tuple(bounds[0].shape), tuple(bounds[1].shape)),
-                    step_bound if not isinstance(step_bound, Tensor) else "tensor", twin_layout)
+                    step_bound if not isinstance(step_bound, Tensor) else "tensor", bn_layout)
         buffers = self._entries.get(full_key)
         if buffers is None:
-            buffers = self._entries[full_key] = self._allocate(x, y, noise, bounds, step_bound, twin_statistics, size)
-        buffers.fill(x, y, noise, bounds, step_bound, twin_statistics)
+            buffers = self._entries[full_key] = self._allocate(x, y, noise, bounds, step_bound, bn_statistics, size)
+        buffers.fill(x, y, noise, bounds, step_bound, bn_statistics)
         if not capture:
             with context(buffers.twin):
                 outputs = rows(*buffers.arguments())

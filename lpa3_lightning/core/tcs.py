@@ -6,10 +6,8 @@ divergence between consecutive predictions. Higher ``c`` = more consistent. At t
 each pass over the data a threshold is refreshed and the least consistent ``ratio`` of the
 samples are selected for LP-A3 (see :mod:`lpa3_lightning.core.selection`).
 
-Defaults are the authors' code's (docs/method.md): ``a = mean_c p_t * (log p_t - log p_prev)``
-(``F.kl_div(log p_prev, p_t).mean(1)``, i.e. KL(p_t || p_prev) / C) and
-``c_t = 0.01 * c_{t-1} - 0.99 * a_t``. ``divergence="paper"`` uses the paper's
-``KL(p_prev || p_t) + |log p_prev[y] / p_t[y]|`` instead.
+The score's update is the pure function of :mod:`lpa3_lightning.core.tcs_scores` (the authors'
+divergence by default, the paper's on request).
 
 Improvement over the authors' code: their stored previous prediction starts at 1.01 for
 every class, which is not a distribution, so the first divergence of every sample is
@@ -30,102 +28,33 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from lpa3_lightning.core.arguments import check_choice
 from lpa3_lightning.core.checks import check_dataset_indices
 from lpa3_lightning.core.distributed import deduplicate_first, exchange_sizes, gather_padded
 from lpa3_lightning.core.selection import (
+    check_criterion,
     check_initial_selection,
     check_ratio,
     check_threshold_rule,
     random_selection,
     selection_threshold,
 )
+from lpa3_lightning.core.tcs_scores import (
+    AUTHORS_INITIAL_MEMORY,
+    DEFAULT_GAMMA,
+    STORAGE_DTYPES,
+    check_divergence,
+    check_initial_memory,
+    storage_dtype_of,
+    tcs_divergence,
+    tcs_update,
+)
 
 __all__ = ["STORAGE_DTYPES", "TimeConsistency", "check_divergence", "check_initial_memory", "storage_dtype_of",
            "tcs_divergence", "tcs_update"]
 
-#: Weight of the new divergence in the score's moving average (authors' code: 0.99).
-DEFAULT_GAMMA = 0.99
-#: The authors' initial value of every entry of the stored prediction.
-AUTHORS_INITIAL_MEMORY = 1.01
-#: The dtypes the stored predictions may be kept in (names as in configs).
-STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_VERSION = 3  # 3: the per-sample epoch of the last update is part of the memory
-
-
-def storage_dtype_of(value: str | torch.dtype, name: str = "storage_dtype") -> torch.dtype:
-    """The torch dtype of a ``storage_dtype`` given by name or dtype.
-
-    Raises:
-        ValueError: for any other dtype, naming ``name`` and the accepted ones.
-    """
-    dtype = STORAGE_DTYPES.get(value) if isinstance(value, str) else value
-    if dtype not in STORAGE_DTYPES.values():
-        check_choice(value, tuple(STORAGE_DTYPES), name,
-                     "use 'float32' (exact), or 'bfloat16' / 'float16' to halve the stored predictions.")
-    return dtype  # type: ignore[return-value]
-
-
-def check_divergence(divergence: str, name: str = "divergence") -> None:
-    """Raise a ValueError naming ``name`` unless ``divergence`` is ``"code"`` or ``"paper"``."""
-    check_choice(divergence, ("code", "paper"), name, "use 'code' (the authors' code).")
-
-
-def check_initial_memory(initial_memory: str, name: str = "initial_memory") -> None:
-    """Raise a ValueError naming ``name`` unless ``initial_memory`` is ``"uniform"`` or ``"authors"``."""
-    check_choice(initial_memory, ("uniform", "authors"), name, "use 'uniform' (a distribution).")
-
-
-def _copy_to(t: Tensor, device: torch.device, dtype: torch.dtype, copy: bool = True) -> Tensor:
-    """``t`` on ``device`` in ``dtype``; with ``copy`` never sharing storage with ``t`` (one copy at most)."""
-    moved = t.to(device, dtype)
-    return moved.clone() if copy and moved.data_ptr() == t.data_ptr() else moved
-
-
-def tcs_divergence(
-    previous: Tensor,
-    current: Tensor,
-    targets: Tensor | None = None,
-    divergence: Literal["code", "paper"] = "code",
-) -> Tensor:
-    """Per-sample divergence ``a_t`` between the stored and the current prediction.
-
-    Args:
-        previous: ``(N, C)`` stored predictions (a distribution, or the authors' 1.01s).
-        current: ``(N, C)`` current probabilities.
-        targets: ``(N,)`` labels for the paper's ``|log ratio|`` term; None uses the
-            argmax of ``previous`` (the previous pseudo-label).
-        divergence: ``"code"`` (authors' code) or ``"paper"`` (paper appendix A.1).
-
-    Returns:
-        ``(N,)`` divergences.
-    """
-    if previous.shape != current.shape or current.dim() != 2:
-        raise ValueError(
-            f"`previous` and `current` must both be (N, C); got {tuple(previous.shape)} and {tuple(current.shape)}."
-        )
-    check_divergence(divergence)
-    tiny = torch.finfo(current.dtype).tiny
-    if divergence == "code":
-        return F.kl_div(previous.clamp_min(tiny).log(), current, reduction="none").mean(dim=1)
-    kl = F.kl_div(current.clamp_min(tiny).log(), previous, reduction="none").sum(dim=1)
-    label = previous.argmax(dim=1) if targets is None else targets.long()
-    p_prev = previous.gather(1, label[:, None]).squeeze(1).clamp_min(tiny)
-    p_now = current.gather(1, label[:, None]).squeeze(1).clamp_min(tiny)
-    return kl + (p_prev.log() - p_now.log()).abs()
-
-
-def tcs_update(scores: Tensor, divergence: Tensor, gamma: float = DEFAULT_GAMMA) -> Tensor:
-    """New TCS scores: ``gamma * (-a) + (1 - gamma) * c`` (higher = more consistent).
-
-    Example:
-        >>> round(float(tcs_update(torch.tensor([-1.0]), torch.tensor([0.5]))[0]), 3)
-        -0.505
-    """
-    return gamma * (-divergence) + (1.0 - gamma) * scores
 
 
 @dataclass
@@ -166,6 +95,9 @@ class TimeConsistency:
         seed: seed of that random share.
         threshold_rule: ``"count"`` (default: the ``round(ratio * N)`` lowest scores) or
             ``"authors"`` (see :func:`~lpa3_lightning.core.selection.selection_threshold`).
+        criterion: ``"tcs"`` (default: the lowest time-consistency scores) or ``"random"`` (the
+            paper's ablation: a fresh seeded random ``ratio`` share every epoch, whatever the
+            scores; the memory is still updated, so its diagnostics stay comparable).
         storage_dtype: dtype of the stored predictions, ``"float32"`` (default), ``"bfloat16"`` or
             ``"float16"`` (half the memory; the divergences are computed in float32 from the
             rounded stored rows, so scores and selections can differ slightly from float32's).
@@ -196,6 +128,7 @@ class TimeConsistency:
         seed: int = 0,
         threshold_rule: Literal["count", "authors"] = "count",
         storage_dtype: str | torch.dtype = "float32",
+        criterion: Literal["tcs", "random"] = "tcs",
     ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int (the training set size), got {num_samples!r}.")
@@ -207,10 +140,12 @@ class TimeConsistency:
         check_initial_memory(initial_memory)
         check_initial_selection(initial_selection)
         check_threshold_rule(threshold_rule)
+        check_criterion(criterion)
         self.num_samples, self.num_classes = num_samples, num_classes
         self.ratio, self.gamma = check_ratio(ratio), float(gamma)
         self.divergence, self.initial_memory = divergence, initial_memory
         self.initial_selection, self.threshold_rule = initial_selection, threshold_rule
+        self.criterion = criterion
         self.seed = int(seed)
         self.storage_dtype = storage_dtype_of(storage_dtype)
         self._random_share: tuple[int, Tensor] | None = None  # (epoch, mask over all samples)
@@ -379,7 +314,7 @@ class TimeConsistency:
         with ``check_values=False`` (see :meth:`update`).
         """
         indices = self._check_indices(indices, values=check_values)
-        if self.initial_selection == "all":
+        if self.initial_selection == "all" and self.criterion == "tcs":
             initial = torch.ones_like(indices, dtype=torch.bool)
         else:
             if self._random_share is None or self._random_share[0] != epoch:
@@ -387,7 +322,7 @@ class TimeConsistency:
                 share = random_selection(everyone, self.num_samples, self.ratio, self.seed, epoch)
                 self._random_share = (epoch, share.to(self.device))  # drawn once an epoch, kept on the device
             initial = self._random_share[1][indices]
-        if not self.has_threshold:
+        if not self.has_threshold or self.criterion == "random":
             return initial
         return torch.where(self._seen[indices], self._scores[indices] < self.threshold, initial)
 

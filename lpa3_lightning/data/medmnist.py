@@ -68,6 +68,25 @@ def _check_positive_int(name: str, value: Any, minimum: int, fix: str) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}. {fix}")
 
 
+def validate_flag(flag: Any) -> None:
+    """Refuse an unknown, 3D or multi-label MedMNIST flag, listing the valid 2D flags."""
+    if not isinstance(flag, str) or flag not in INFO:
+        raise ValueError(
+            f"Unknown MedMNIST flag {flag!r}. Valid 2D flags: {', '.join(SUPPORTED_FLAGS)}."
+        )
+    if flag not in _ALL_2D_FLAGS:
+        raise ValueError(
+            f"MedMNIST flag {flag!r} is a 3D dataset; only 2D datasets are supported. "
+            f"Valid 2D flags: {', '.join(SUPPORTED_FLAGS)}."
+        )
+    if "multi-label" in INFO[flag]["task"]:
+        raise ValueError(
+            f"MedMNIST flag {flag!r} is a {INFO[flag]['task']!r} task; only single-label "
+            "classification (binary-class, multi-class, ordinal-regression) is supported. "
+            f"Valid 2D flags: {', '.join(SUPPORTED_FLAGS)}."
+        )
+
+
 class MedMNISTDataModule(pl.LightningDataModule):
     """Train/val/test loaders for one 2D MedMNIST dataset at 28x28 pixels.
 
@@ -126,7 +145,7 @@ class MedMNISTDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        self._validate_flag(flag)
+        validate_flag(flag)
         _check_positive_int("batch_size", batch_size, 1, "Pass a positive batch size, e.g. batch_size=128.")
         if eval_batch_size is not None:
             _check_positive_int(
@@ -305,24 +324,6 @@ class MedMNISTDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------
     # Helpers
     # ------------------------------------------------------------------
-    @staticmethod
-    def _validate_flag(flag: Any) -> None:
-        if not isinstance(flag, str) or flag not in INFO:
-            raise ValueError(
-                f"Unknown MedMNIST flag {flag!r}. Valid 2D flags: {', '.join(SUPPORTED_FLAGS)}."
-            )
-        if flag not in _ALL_2D_FLAGS:
-            raise ValueError(
-                f"MedMNIST flag {flag!r} is a 3D dataset; only 2D datasets are supported. "
-                f"Valid 2D flags: {', '.join(SUPPORTED_FLAGS)}."
-            )
-        if "multi-label" in INFO[flag]["task"]:
-            raise ValueError(
-                f"MedMNIST flag {flag!r} is a {INFO[flag]['task']!r} task; only single-label "
-                "classification (binary-class, multi-class, ordinal-regression) is supported. "
-                f"Valid 2D flags: {', '.join(SUPPORTED_FLAGS)}."
-            )
-
     def _dataset_class(self) -> type:
         return getattr(medmnist, INFO[self.flag]["python_class"])
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.label_split import check_int
@@ -27,6 +28,7 @@ from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.ssl_datasets import ImageArrays, dataset_position
 from lpa3_lightning.data.ssl_sources import source_facts, validate_source
 from lpa3_lightning.data.ssl_transforms import PADDING_MODES
+from lpa3_lightning.data.train_loader import train_loader
 
 __all__ = ["NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset"]
 
@@ -231,15 +233,18 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         module = getattr(trainer, "lightning_module", None) if trainer is not None else None
         split_mask = getattr(module, "noisy_split_mask", None)
+        workers = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
         if self.balance_split and callable(split_mask):
             sampler = SplitBalancedSampler(len(self.train_dataset), self.batch_size,
                                            lambda: (split_mask(), trainer.current_epoch),  # type: ignore[union-attr]
                                            rule=getattr(module, "noisy_batch_rule", "pes"),
                                            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
-            return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                              num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+            return StatefulDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                                      **workers)
+        # (seed, epoch) order, checkpointed by Lightning (lpa3_lightning.data.train_loader)
+        return train_loader(self.train_dataset, self.batch_size, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+                            num_replicas=trainer.world_size if trainer is not None else 1,
+                            rank=trainer.global_rank if trainer is not None else 0, drop_last=True, **workers)
 
     def val_dataloader(self) -> DataLoader:
         """Clean ``(x, y, index)`` batches of the validation split (the test split where the source has none)."""

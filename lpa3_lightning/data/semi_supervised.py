@@ -22,40 +22,33 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision import transforms
 
 from lpa3_lightning.data.indexed import IndexedDataset
-from lpa3_lightning.data.label_split import (
-    check_int,
-    check_num_labels,
-    load_label_split,
-    save_label_split,
-    stratified_label_split,
-)
-from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
+from lpa3_lightning.data.label_split import check_int, check_num_labels
+from lpa3_lightning.data.labeled_subset import LabeledSubsetMixin
+from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR
 from lpa3_lightning.data.ssl_datasets import (
     MNIST5K_SPLIT_SEED,
     ImageArrays,
     LabeledDataset,
     RandomStream,
     UnlabeledDataset,
-    load_mnist5k,
 )
 from lpa3_lightning.data.ssl_sources import (
     SEMI_SUPERVISED_SOURCES,
     TORCHVISION_SOURCES,
-    download_torchvision,
+    download_source,
+    source_arrays,
     source_facts,
-    torchvision_arrays,
     validate_source,
 )
 from lpa3_lightning.data.ssl_transforms import (
@@ -70,7 +63,7 @@ __all__ = ["MNIST5K_SPLIT_SEED", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataM
 
 
 
-class SemiSupervisedDataModule(pl.LightningDataModule):
+class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
     """FixMatch-style loaders: a labeled and an unlabeled stream per training step, plus val/test.
 
     **Training batch** (``train_dataloader`` returns a ``CombinedLoader`` in
@@ -282,34 +275,16 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------
     # Files
     # ------------------------------------------------------------------
-    def _medmnist(self) -> MedMNISTDataModule:
-        return MedMNISTDataModule(self.source, root=None if self._root_is_embedded else os.fspath(self.root),
-                                  download=self.download)
-
     def prepare_data(self) -> None:
         """Downloads missing files when ``download=True`` (one process per node, before ``setup``)."""
-        if not self.download or self.source == "mnist5k":
-            return
-        if self.source not in TORCHVISION_SOURCES:
-            self._medmnist().prepare_data()
-        else:
-            download_torchvision(self.source, self.root)
+        if self.download:
+            download_source(self.source, None if self._root_is_embedded else self.root)
 
     def _split_arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(images, labels)`` parts of ``split`` ("train", "val" or "test"), images HW or HWC uint8."""
-        if split in self._arrays:
-            return self._arrays[split]
-        if self.source == "mnist5k":
-            data = load_mnist5k(None if self._root_is_embedded else self.root)
-            self._arrays["train"] = [(data["train_images"], data["train_labels"])]
-            self._arrays["test"] = [(data["test_images"], data["test_labels"])]
-        elif self.source in TORCHVISION_SOURCES:
-            self._arrays[split] = torchvision_arrays(self.source, self.root, split, self.download)
-        else:
-            dm = self._medmnist()
-            dm._ensure_file()  # names the path and the fix when the file is missing
-            with np.load(dm.data_file) as data:
-                self._arrays[split] = [(data[f"{split}_images"], data[f"{split}_labels"].reshape(-1))]
+        """``(images, labels)`` parts of ``split`` ("train", "val" or "test"), read once."""
+        if split not in self._arrays:
+            self._arrays.update(source_arrays(self.source, None if self._root_is_embedded else self.root, split,
+                                              self.download))
         return self._arrays[split]
 
     # ------------------------------------------------------------------
@@ -353,35 +328,10 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             state, self._pending_state = self._pending_state, None
             self._adopt(state)
 
-    def _split_meta(self) -> dict[str, Any]:
-        return {"source": self.source, "num_labels": self.num_labels, "seed": self.seed,
-                "dataset_size": self.num_unlabeled, "num_classes": self.num_classes}
-
-    def _draw_or_read_split(self, labels: np.ndarray) -> np.ndarray:
-        meta = self._split_meta()
-        if self.split_file is not None and self.split_file.is_file():
-            expected = {key: meta[key] for key in ("source", "dataset_size", "num_labels")}
-            indices, file_meta = load_label_split(self.split_file, expected)
-            if (labels[indices] < 0).any():
-                raise ValueError(f"Label split file {self.split_file} selects images without a label. Fix: pass "
-                                 "split_file= another path (it is written there when missing), or delete this file.")
-            file_seed = file_meta.get("seed")
-            if file_seed is not None and file_seed != self.seed:
-                # a seed sweep that keeps one split_file path would train every seed on the same labels
-                rank_zero_warn(f"`split_file` {self.split_file} holds the labeled subset of seed {file_seed}, not of "
-                               f"seed={self.seed}: it is used as it is. Fix: for a new subset per seed, give each "
-                               "seed its own split_file (or delete this one).")
-            return indices
-        pool = np.flatnonzero(labels >= 0)  # STL-10: only its train images carry labels
-        indices = pool[stratified_label_split(labels[pool], self.num_labels, self.num_classes, self.seed)]
-        trainer = getattr(self, "trainer", None)
-        if self.split_file is not None and (trainer is None or trainer.is_global_zero):
-            save_label_split(self.split_file, indices, meta)
-        return indices
-
-    def _loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, **kwargs)
+    def _loader(self, dataset: Dataset, batch_size: int, stateful: bool = False, **kwargs: Any) -> DataLoader:
+        return (StatefulDataLoader if stateful else DataLoader)(dataset, batch_size=batch_size,
+                                                                num_workers=self.num_workers,
+                                                                persistent_workers=self.num_workers > 0, **kwargs)
 
     def train_dataloader(self) -> CombinedLoader:
         """``CombinedLoader({"labeled": ..., "unlabeled": ...}, mode="max_size_cycle")``, both
@@ -390,12 +340,14 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             raise RuntimeError("The training data is not built yet; call setup('fit') first "
                                "(a Lightning Trainer does this automatically).")
         steps, unlabeled_batch = self.num_steps_per_epoch, self.mu * self.batch_size
-        # Without replacement but num_samples may exceed the set: back-to-back permutations.
-        unlabeled = self._loader(self.unlabeled_dataset, unlabeled_batch, drop_last=True,
-                                 sampler=RandomStream(len(self.unlabeled_dataset), steps * unlabeled_batch))
-        labeled = self._loader(self.labeled_dataset, self.batch_size, drop_last=True,
+        # Without replacement but num_samples may exceed the set: back-to-back permutations. Stateful
+        # loaders over orders fixed by (seed, epoch): Lightning checkpoints their position.
+        unlabeled = self._loader(self.unlabeled_dataset, unlabeled_batch, drop_last=True, stateful=True,
+                                 sampler=RandomStream(len(self.unlabeled_dataset), steps * unlabeled_batch,
+                                                      seed=self.seed))
+        labeled = self._loader(self.labeled_dataset, self.batch_size, drop_last=True, stateful=True,
                                sampler=RandomStream(len(self.labeled_dataset), steps * self.batch_size,
-                                                    replacement=True))
+                                                    replacement=True, seed=self.seed + 1))
         return CombinedLoader({"labeled": labeled, "unlabeled": unlabeled}, mode="max_size_cycle")
 
     def val_dataloader(self) -> DataLoader:
@@ -416,62 +368,3 @@ class SemiSupervisedDataModule(pl.LightningDataModule):
             raise RuntimeError(f"The {split} split is not built yet; call setup({stage!r}) first "
                                "(a Lightning Trainer does this automatically).")
         return dataset
-
-    # ------------------------------------------------------------------
-    # Checkpoint state
-    # ------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The labeled subset and what it was drawn for; Lightning stores it in checkpoints.
-
-        Empty before ``setup("fit")``.
-        """
-        if self._labeled_indices is None:
-            return {}
-        return {**self._split_meta(), "labeled_indices": [int(i) for i in self._labeled_indices]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the labeled subset of a checkpoint (Lightning calls it after ``setup``).
-
-        The checkpoint's subset is adopted (with a warning when it differs from the one drawn
-        from ``seed`` / read from ``split_file``), so a resumed run keeps training on the labels
-        it started with. Called before ``setup``, it is applied when ``setup("fit")`` runs.
-
-        Raises:
-            ValueError: if the state is for another source, training-set size or ``num_labels``.
-        """
-        if not state_dict:
-            return
-        if "labeled_indices" not in state_dict:
-            raise ValueError("The data module state has no 'labeled_indices'. Fix: load a checkpoint written with "
-                             "SemiSupervisedDataModule, or resume without this data module's state.")
-        for key in ("source", "num_labels"):
-            if state_dict.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"The checkpoint's labeled subset is for {key}={state_dict.get(key)!r}, this data module has "
-                    f"{key}={getattr(self, key)!r}. Fix: pass {key}={state_dict.get(key)!r} (the checkpoint's) "
-                    "to resume that run."
-                )
-        if self._labeled_indices is None:
-            self._pending_state = dict(state_dict)
-            return
-        self._adopt(state_dict)
-
-    def _adopt(self, state: Mapping[str, Any]) -> None:
-        if state.get("dataset_size") != self.num_unlabeled:
-            raise ValueError(
-                f"The checkpoint's labeled subset is for a training set of {state.get('dataset_size')} images, "
-                f"{self.source} here has {self.num_unlabeled}. Fix: point `root` at the data the checkpoint was "
-                "trained on."
-            )
-        indices = np.asarray(sorted(int(i) for i in state["labeled_indices"]), dtype=np.int64)
-        if self._labeled_indices is not None and np.array_equal(indices, self._labeled_indices):
-            return
-        rank_zero_warn(
-            f"SemiSupervisedDataModule: adopting the checkpoint's {len(indices)} labeled indices (seed "
-            f"{state.get('seed')}), which differ from those of seed={self.seed}"
-            + (f" / split_file={self.split_file}" if self.split_file is not None else "") + "."
-        )
-        self._labeled_indices = indices
-        if self.train_base is None:
-            raise RuntimeError("The training data is not built yet; call setup('fit') before applying a labeled split.")
-        self.labeled_dataset = LabeledDataset(self.train_base, indices, self.weak_transform())

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from lpa3_lightning.core.seeds import epoch_seed
+
 __all__ = ["SplitBalancedSampler", "labeled_per_batch"]
 
 BatchRule = Literal["pes", "half"]
@@ -97,9 +99,8 @@ class SplitBalancedSampler(Sampler[int]):
         num_replicas: processes the indices are dealt to; None: the ``torch.distributed`` world
             size when initialised, else 1.
 
-    Before there is a split, one process draws a plain shuffled pass from torch's global
-    generator, as ``shuffle=True`` does (under DDP: from the seeded generator, so every process
-    deals from the same order). Under DDP Lightning wraps the sampler in a
+    Before there is a split, a plain shuffled pass, in the order of the seeded generator (every
+    process deals from the same order; a resumed run draws the same). Under DDP Lightning wraps the sampler in a
     ``DistributedSamplerWrapper`` that deals the indices round robin, ``stream[rank::W]``; the
     stream is laid out for that dealing (each block of ``W`` batches interleaved), so every
     process's batch has the labeled share exactly.
@@ -142,10 +143,8 @@ class SplitBalancedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         mask, epoch = self.split()
         world = self._world_size()
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(epoch))
-        if mask is None:
-            if world == 1:  # as a shuffled DataLoader: a generator seeded from the global one
-                generator = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        if mask is None:  # a plain shuffled pass, in the (seed, epoch) order (nothing drawn from the global generator)
             yield from torch.randperm(self.num_samples, generator=generator)[: len(self)].tolist()
             return
         mask = torch.as_tensor(mask, dtype=torch.bool).cpu()

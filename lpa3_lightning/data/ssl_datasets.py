@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, RandomSampler, Sampler
 
+from lpa3_lightning.core.seeds import epoch_seed
 from lpa3_lightning.data.indexed import to_class_label
 from lpa3_lightning.data.label_split import (
     stratified_label_split,
@@ -203,20 +204,31 @@ def load_mnist5k(root: str | os.PathLike | None = None) -> dict[str, np.ndarray]
 
 class RandomStream(Sampler[int]):
     """``num_samples`` random indices of a data set of ``size`` items (back-to-back
-    permutations, or draws with replacement).
+    permutations, or draws with replacement), in an order fixed by ``(seed, epoch)``.
 
     A plain ``Sampler`` on purpose: under DDP Lightning replaces a ``RandomSampler`` with a
     ``DistributedSampler`` over the data set (dropping ``num_samples`` and ``replacement``, so
     a few labels would give a rank no labeled batch at all), but splits any other sampler's
     stream across the processes (``DistributedSamplerWrapper``), which keeps both streams of
-    equal length on every rank.
+    equal length on every rank. Lightning sets the epoch of a loader's sampler each epoch (one
+    process); without it each pass counts its own epoch. Its order draws nothing from torch's
+    global generator, so a ``StatefulDataLoader`` resumes it mid-epoch exactly.
     """
 
-    def __init__(self, size: int, num_samples: int, replacement: bool = False) -> None:
-        self.inner = RandomSampler(range(size), replacement=replacement, num_samples=num_samples)
+    def __init__(self, size: int, num_samples: int, replacement: bool = False, seed: int = 0) -> None:
+        self.size, self.num_samples, self.replacement, self.seed = size, num_samples, replacement, seed
+        self.epoch, self._epoch_given = 0, False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._epoch_given = epoch, True
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.inner)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        if not self._epoch_given:
+            self.epoch += 1
+        inner = RandomSampler(range(self.size), replacement=self.replacement, num_samples=self.num_samples,
+                              generator=generator)
+        return iter(list(inner))
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return self.num_samples

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 from medmnist.info import INFO
 
-from lpa3_lightning.data.medmnist import SUPPORTED_FLAGS, MedMNISTDataModule
+from lpa3_lightning.data.medmnist import SUPPORTED_FLAGS, validate_flag
 
-__all__ = ["SEMI_SUPERVISED_SOURCES", "SOURCE_FACTS", "TORCHVISION_SOURCES", "download_torchvision",
-           "missing_torchvision_files", "source_facts", "torchvision_arrays", "torchvision_class",
+__all__ = ["SEMI_SUPERVISED_SOURCES", "SOURCE_FACTS", "TORCHVISION_SOURCES", "download_source", "download_torchvision",
+           "missing_torchvision_files", "source_arrays", "source_facts", "torchvision_arrays", "torchvision_class",
            "torchvision_not_found", "validate_source"]
 
 TORCHVISION_SOURCES = ("cifar10", "cifar100", "stl10")
@@ -47,7 +47,7 @@ SOURCE_FACTS: dict[str, dict[str, Any]] = {
 def validate_source(source: Any) -> None:
     """Refuse a source that is not one of :data:`SEMI_SUPERVISED_SOURCES`, naming them."""
     if isinstance(source, str) and source in INFO and source not in SUPPORTED_FLAGS:
-        MedMNISTDataModule._validate_flag(source)  # its message says why (3D / multi-label)
+        validate_flag(source)  # its message says why (3D / multi-label)
     if not isinstance(source, str) or source not in SEMI_SUPERVISED_SOURCES:
         raise ValueError(f"Unknown `source` {source!r}. Fix: pass one of {', '.join(SEMI_SUPERVISED_SOURCES)}.")
 
@@ -129,3 +129,40 @@ def torchvision_arrays(source: str, root: Path, split: str, download: bool) -> l
             f"and pass download=True, or extract a fresh {cls.filename} into {root}."
         ) from err
     return [(ds.data, np.asarray(ds.targets, dtype=np.int64))]
+
+
+def download_source(source: str, root: Path | None) -> None:
+    """Download the missing files of ``source`` into ``root`` (mnist5k ships with the package)."""
+    if source == "mnist5k":
+        return
+    if source in TORCHVISION_SOURCES:
+        download_torchvision(source, root)  # type: ignore[arg-type]
+    else:
+        from lpa3_lightning.data.medmnist import MedMNISTDataModule
+
+        MedMNISTDataModule(source, root=None if root is None else os.fspath(root), download=True).prepare_data()
+
+
+def source_arrays(source: str, root: Path | None, split: str, download: bool = False
+                  ) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """``{split: [(images, labels), ...]}`` of a source's files (images HW or HWC uint8): the split
+    asked for, and for mnist5k both of its splits (one file holds them). ``root`` None: the
+    folder embedded in the package.
+
+    Raises:
+        FileNotFoundError: naming the path and the fix, when a file is missing.
+    """
+    if source == "mnist5k":
+        from lpa3_lightning.data.ssl_datasets import load_mnist5k
+
+        data = load_mnist5k(root)
+        return {"train": [(data["train_images"], data["train_labels"])],
+                "test": [(data["test_images"], data["test_labels"])]}
+    if source in TORCHVISION_SOURCES:
+        return {split: torchvision_arrays(source, root, split, download)}  # type: ignore[arg-type]
+    from lpa3_lightning.data.medmnist import MedMNISTDataModule
+
+    module = MedMNISTDataModule(source, root=None if root is None else os.fspath(root), download=download)
+    module._ensure_file()  # names the path and the fix when the file is missing
+    with np.load(module.data_file) as data:
+        return {split: [(data[f"{split}_images"], data[f"{split}_labels"].reshape(-1))]}

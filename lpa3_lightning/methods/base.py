@@ -24,7 +24,7 @@ from lpa3_lightning.core.augmented_forward import augmented_logits
 from lpa3_lightning.core.model_outputs import output_to_logits
 from lpa3_lightning.methods.settings import LPA3Settings
 
-__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "REQUIRED_METHODS", "split_indexed_batch"]
+__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "split_indexed_batch"]
 
 
 def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -69,8 +69,7 @@ class BatchNormStatisticsFrozen:
                 m.num_batches_tracked.copy_(tracked)
 
 
-#: Methods the callback calls; checked in ``LPA3Callback.setup``.
-REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_logits", "lpa3_set_augmented", "lpa3_pop_predictions")
+
 
 
 class LPA3ModuleMixin:

@@ -55,9 +55,18 @@ def split_semi_supervised_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor, Ten
         batch = batch[0]  # (batch, batch_idx, dataloader_idx) from a CombinedLoader iterated by hand
     if isinstance(batch, Mapping) and {"labeled", "unlabeled"} <= set(batch):
         labeled, unlabeled = batch["labeled"], batch["unlabeled"]
-        if isinstance(labeled, Sequence) and len(labeled) == 3 and isinstance(unlabeled, Sequence) \
-                and len(unlabeled) == 3:
-            return (*labeled, *unlabeled)  # type: ignore[return-value]
+        for part, value, layout, dataset in (("labeled", labeled, "(x, y, index)", "LabeledDataset"),
+                                             ("unlabeled", unlabeled, "(x_weak, x_strong, index)", "UnlabeledDataset")):
+            if not (isinstance(value, Sequence) and len(value) == 3):
+                got = f"{type(value).__name__} of {len(value)} items" if isinstance(value, Sequence) else \
+                    type(value).__name__
+                raise ValueError(
+                    f"FixMatch's {part} batch is {got}, e.g. {'(x, y)' if part == 'labeled' else '(x_weak, x_strong)'} "
+                    f"without the dataset index; the {part} part needs {layout} (the TCS memory and the x' cache "
+                    f"key their rows by it). Fix: wrap the {part} dataset in `lpa3_lightning.data.{dataset}` (it adds "
+                    "the index), or use `lpa3_lightning.data.SemiSupervisedDataModule`."
+                )
+        return (*labeled, *unlabeled)  # type: ignore[return-value]
     raise ValueError(
         "FixMatch needs batches {'labeled': (x, y, index), 'unlabeled': (x_weak, x_strong, index)}, got "
         f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}. Fix: use "

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lpa3_lightning.core.dual_bn import anchor_twin_parameters, has_dual_bn
+from lpa3_lightning.core.protocol import lpa3_callbacks as find_lpa3_callbacks
 
 __all__ = ["adopt_training_set_size", "anchor_twins_without_callback", "release_twins", "whole_training_set_loader"]
 
@@ -43,10 +44,8 @@ def whole_training_set_loader(trainer: pl.Trainer, rank: int, dataset: Dataset |
 
 
 def lpa3_callbacks(trainer: pl.Trainer) -> list:
-    """The ``LPA3Callback`` instances attached to ``trainer``."""
-    from lpa3_lightning.callback import LPA3Callback
-
-    return [c for c in trainer.callbacks if isinstance(c, LPA3Callback)]  # type: ignore[attr-defined]
+    """The LP-A3 callbacks attached to ``trainer`` (found by their marker: no import of the callback)."""
+    return find_lpa3_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
 
 
 def anchor_twins_without_callback(trainer: pl.Trainer, networks: list[nn.Module]) -> bool:

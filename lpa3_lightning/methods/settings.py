@@ -63,8 +63,9 @@ class LPA3Settings:
     Attributes:
         train_forward: how ``lpa3_forward_augmented`` normalises ``x'`` for the loss:
             ``"verified"`` (default, this package's): the normalisation the solver checked the
-            label under (twin BatchNorms on the clean selected samples' statistics, or the running
-            statistics without twins; :mod:`lpa3_lightning.core.augmented_forward`), so every
+            label under (twin BatchNorms on the clean selected samples' statistics, the model's own
+            BatchNorms on the clean batch's, or the running statistics, as ``solver.attack_bn``
+            says; :mod:`lpa3_lightning.core.augmented_forward`), so every
             ``x'`` keeps its label in the forward that trains on it; ``"batch_stats"``: the ``x'``
             batch's own statistics through the twins in train mode (the LP-A3 authors' code).
     """

@@ -120,6 +120,44 @@ def test_selected_fraction_follows_ratio_after_first_pass(tmp_path):
     assert module.seen_augmented == [64, 64 - int(0.75 * 64) - 1]
 
 
+def test_seed_none_without_seed_everything_takes_a_64_bit_initial_seed(tmp_path):
+    """A run that never calls seed_everything starts from a random 64-bit ``torch.initial_seed()``;
+    ``seed=None`` fixes the callback's seed from it, and the first pass's random share must be
+    drawn from that (a seed * 1000003 formula overflowed the generator's 64 bits)."""
+    torch.manual_seed(2**62 - 7)  # torch picks a random 64-bit initial seed without seed_everything
+    module = TinyClassifier()
+    callback = LPA3Callback(ratio=0.5, steps=1)
+    _trainer(tmp_path, [callback], max_epochs=1).fit(module, _loader(48, 16))
+    assert sum(module.seen_augmented) == 24  # the random half of the first pass
+    assert callback.state_dict()["seed"] >= 2**32  # (kept in checkpoints)
+
+
+class RecordsSelections(LPA3Callback):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.selected: dict[int, list[int]] = {}
+
+    def on_augmented(self, trainer, pl_module, augmented):
+        self.selected.setdefault(trainer.current_epoch, []).extend(augmented.indices.tolist())
+
+
+def test_random_criterion_selects_a_seeded_random_share_instead_of_the_lowest_scores(tmp_path):
+    from lpa3_lightning.core.selection import random_selection
+
+    picks = {}
+    for criterion in ("tcs", "random"):
+        pl.seed_everything(0)
+        callback = RecordsSelections(ratio=0.25, steps=1, seed=3, selection={"criterion": criterion})
+        _trainer(tmp_path / criterion, [callback], max_epochs=3).fit(TinyClassifier(), _loader(64, 64))
+        picks[criterion] = callback
+    for epoch in (1, 2):  # after the first pass: a threshold exists
+        chosen = sorted(picks["random"].selected[epoch])
+        expected = random_selection(torch.arange(64), 64, 0.25, seed=3, epoch=epoch).nonzero().squeeze(1).tolist()
+        assert chosen == expected
+        assert len(chosen) == len(picks["tcs"].selected[epoch]) == 16
+    assert sorted(picks["tcs"].selected[2]) != sorted(picks["random"].selected[2])
+
+
 def test_warmup_epochs_skip_augmentation_but_update_tcs(tmp_path):
     pl.seed_everything(0)
     module = TinyClassifier()
@@ -313,6 +351,7 @@ def test_a_16_bit_sharded_memory_resumes_into_a_replicated_float32_one(tmp_path)
         ({"selection": {"initial_memory": "zeros"}}, "selection.initial_memory"),
         ({"selection": {"memory_layout": "split"}}, "selection.memory_layout"),
         ({"selection": {"memory_dtype": "float64"}}, "selection.memory_dtype"),
+        ({"selection": {"criterion": "lowest"}}, "selection.criterion"),
         ({"input_range": 3}, "input_range"),
         ({"cache": {"regenerate_every_n_epochs": 0}}, "cache.regenerate_every_n_epochs"),
         ({"logging": {"num_images": 0}}, "logging.num_images"),

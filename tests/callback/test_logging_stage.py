@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-
 import warnings
 
 import lightning.pytorch as pl

@@ -57,7 +57,7 @@ def test_callback_logs_the_grid_to_tensorboard(tmp_path):
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", callbacks=[callback], logger=logger,
                          enable_progress_bar=False, enable_checkpointing=False)
     trainer.fit(TinyClassifier(), DataLoader(indexed_images(16), batch_size=8))
-    assert callback.last_grid is not None and tuple(callback.last_grid.shape) == (3, 92, 122)
+    assert callback.runner().last_grid is not None and tuple(callback.runner().last_grid.shape) == (3, 92, 122)
     events = EventAccumulator(str(tmp_path / "version_0"), size_guidance={"images": 0})
     events.Reload()
     tags = events.Tags()["images"]

@@ -75,6 +75,8 @@ def test_random_initial_share_is_seeded_exact_and_rank_independent() -> None:
     halves = torch.cat([random_selection(everyone[:50], 100, 0.3, 1, 0), random_selection(everyone[50:], 100, 0.3, 1, 0)])
     assert torch.equal(a, halves)
     assert not torch.equal(a, random_selection(everyone, 100, 0.3, seed=1, epoch=1))  # a new draw per epoch
+    for seed in (2**62 - 1, 2**63 + 5):  # seeds fixed from torch.initial_seed() use up to 64 bits
+        assert int(random_selection(everyone, 100, 0.3, seed=seed, epoch=7).sum()) == 30
 
 
 @pytest.mark.parametrize("ratio", [1, 1.0])

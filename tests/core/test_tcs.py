@@ -415,3 +415,26 @@ def test_a_sample_without_a_score_yet_is_selected_as_before_the_first_threshold(
     assert 0.4 <= share <= 0.6
     # the scored samples follow the threshold
     torch.testing.assert_close(tcs.select(seen), tcs.scores[seen] < tcs.threshold)
+
+
+def test_random_criterion_ignores_the_scores_and_draws_a_fresh_share_each_epoch() -> None:
+    """The paper's selection ablation: the same count as TCS, drawn at random every epoch."""
+    from lpa3_lightning.core.selection import random_selection
+
+    n, everyone = 40, torch.arange(40)
+    random_tcs = TimeConsistency(n, 3, 0.25, seed=5, criterion="random")
+    scored = TimeConsistency(n, 3, 0.25, seed=5)
+    probs = torch.softmax(torch.randn(n, 3, generator=torch.Generator().manual_seed(0)), 1)
+    for memory in (random_tcs, scored):
+        memory.update(everyone, probs)
+        memory.update(everyone, probs.flip(1))
+        memory.refresh_threshold()
+    assert random_tcs.has_threshold and torch.equal(random_tcs.scores, scored.scores)  # the memory still learns
+    for epoch in (1, 2):
+        expected = random_selection(everyone, n, 0.25, seed=5, epoch=epoch)
+        assert torch.equal(random_tcs.select(everyone, epoch), expected)
+        assert int(expected.sum()) == int(scored.select(everyone, epoch).sum()) == 10
+    assert not torch.equal(random_tcs.select(everyone, 1), random_tcs.select(everyone, 2))
+    assert not torch.equal(random_tcs.select(everyone, 1), scored.select(everyone, 1))
+    with pytest.raises(ValueError, match="criterion"):
+        TimeConsistency(n, 3, 0.25, criterion="lowest")

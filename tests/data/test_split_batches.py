@@ -8,7 +8,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from torch.utils.data import RandomSampler
 
 from lpa3_lightning import DivideMixClassifier, PESClassifier
 from lpa3_lightning.data import NoisyLabelDataModule
@@ -46,11 +45,12 @@ def test_every_batch_has_the_labeled_share_and_the_labeled_set_is_revisited_even
     assert all(len(set(b.tolist())) == 16 for b in batches)  # no sample twice in a batch
 
 
-def test_without_a_split_an_epoch_is_the_shuffled_loaders_pass_and_the_epoch_seeds_the_balanced_order():
-    torch.manual_seed(3)
-    order = list(SplitBalancedSampler(100, 16, lambda: (None, 0)))
-    torch.manual_seed(3)
-    assert order == list(RandomSampler(range(100)))[:96]  # what shuffle=True with drop_last would draw
+def test_without_a_split_an_epoch_is_the_seeded_shuffle_and_the_epoch_seeds_the_balanced_order():
+    state = torch.get_rng_state()
+    order = list(SplitBalancedSampler(100, 16, lambda: (None, 2), seed=1))
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn from the global generator
+    generator = torch.Generator().manual_seed(1 * 1_000_003 + 2)
+    assert order == torch.randperm(100, generator=generator)[:96].tolist()  # a pass of whole batches
     mask = _split(100, 20)
     first = list(SplitBalancedSampler(100, 16, lambda: (mask, 4), seed=1))
     assert first == list(SplitBalancedSampler(100, 16, lambda: (mask, 4), seed=1))  # reproducible
@@ -104,9 +104,9 @@ class _RecordingDivideMix(_Recording, DivideMixClassifier):
 
 
 @pytest.mark.parametrize(("module_class", "kwargs", "balance"), [
-    (_RecordingPES, {"early_epochs": 1, "refine_epochs": 0}, True),
-    (_RecordingDivideMix, {"warmup_epochs": 1}, True),
-    (_RecordingPES, {"early_epochs": 1, "refine_epochs": 0}, False),
+    (_RecordingPES, {"pes": {"early_epochs": 1, "refine_epochs": 0}}, True),
+    (_RecordingDivideMix, {"dividemix": {"warmup_epochs": 1}}, True),
+    (_RecordingPES, {"pes": {"early_epochs": 1, "refine_epochs": 0}}, False),
 ])
 def test_the_semi_phase_draws_batches_with_the_methods_labeled_share(module_class, kwargs, balance, tmp_path):
     pl.seed_everything(0)

@@ -14,9 +14,9 @@ RuntimeError: every rank must stop with the reason instead of hanging. 'noise_fu
 
 Lightning's "ddp" strategy starts the second process by running this script again. Each
 rank writes ``OUT_DIR/rank{R}.pt`` with its TCS state and every step's (indices, mask); rank 0
-also writes the checkpoint ``OUT_DIR/final.ckpt``. The TCS memory is sharded over the two ranks
-(the default under DDP: rank 0's state holds the whole memory, rank 1's none) unless the mode
-ends in ``+replicated``.
+also writes the checkpoint ``OUT_DIR/final.ckpt``. Every rank keeps the whole TCS memory (what
+``memory_layout='auto'`` picks for a memory this small) unless the mode ends in ``+sharded``: then
+the memory is split over the two ranks (rank 0's state assembles all of it, rank 1's holds none).
 """
 
 from __future__ import annotations
@@ -233,17 +233,17 @@ def _syncbn_run(out: Path, mode: str) -> None:
                          logger=logger, enable_checkpointing=False, enable_progress_bar=False, log_every_n_steps=1,
                          enable_model_summary=False, default_root_dir=out)
     trainer.fit(module, loader)
-    torch.save({"synced_forwards": SYNCED_FORWARDS[0], "grid": None if callback.networks else callback.last_grid,
+    torch.save({"synced_forwards": SYNCED_FORWARDS[0], "grid": None if callback.networks else callback.runner().last_grid,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                out / f"rank{trainer.global_rank}.pt")
 
 
 def main(out: Path, mode: str) -> None:
-    # "<mode>+sync_free": the callback's sync-free per-batch path; "<mode>+replicated": every rank
-    # keeps the whole TCS memory (the default under DDP splits it over the ranks)
+    # "<mode>+sync_free": the callback's sync-free per-batch path; "<mode>+sharded": the TCS memory
+    # is split over the ranks (the layout 'auto' picks for memories of hundreds of MB)
     mode, _, path = mode.partition("+")
     sync_free = path == "sync_free"
-    layout = {"memory_layout": "replicated" if path == "replicated" else "auto"}
+    layout = {"memory_layout": "sharded" if path == "sharded" else "auto"}
     if mode.startswith("syncbn_"):
         _syncbn_run(out, mode)
         return
@@ -367,3 +367,5 @@ if __name__ == "__main__":
         target.mkdir(parents=True, exist_ok=True)
         print(f"### {run_mode}", flush=True)
         main(target, run_mode)
+    if torch.distributed.is_initialized():  # (left to interpreter exit, gloo's threads can abort the process)
+        torch.distributed.destroy_process_group()

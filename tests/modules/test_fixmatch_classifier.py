@@ -7,14 +7,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-
-from tests.helpers import lpa3_state
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from lpa3_lightning import FixMatchClassifier, LPA3Callback
 from lpa3_lightning.cli import build_cli
 from lpa3_lightning.data import SemiSupervisedDataModule
 from lpa3_lightning.mixins import FixMatchSettings
+from tests.helpers import lpa3_state
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "ssl"
 

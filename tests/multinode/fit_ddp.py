@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lpa3_lightning import LPA3Callback  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from lpa3_lightning.data.train_loader import train_loader  # noqa: E402
 from tests.callback.test_callback import TinyClassifier  # noqa: E402
 from tests.ddp.run_ddp import no_bn_net  # noqa: E402
 from tests.helpers import indexed_images  # noqa: E402
@@ -79,9 +79,12 @@ def main(out: Path, mode: str) -> None:
                          enable_model_summary=False, default_root_dir=out)
     module = Classifier()
     last = out / "ckpt" / "last.ckpt"
-    # a plain stateful loader: Lightning gives it torch's DistributedSampler (seed 0, from seed_everything)
-    # and checkpoints its position
-    loader = StatefulDataLoader(indexed_images(N), batch_size=PER_RANK_BATCH, shuffle=True)
+    # the package's resumable loader: torch's DistributedSampler order for (seed, epoch), its position
+    # checkpointed by Lightning (a StatefulDataLoader(shuffle=True) would not do: Lightning does not
+    # recognise torchdata's RandomSampler as a shuffle and wraps it: each rank then draws the permutation
+    # from its global generator, and the ranks split one order only while those generators agree)
+    loader = train_loader(indexed_images(N), PER_RANK_BATCH, seed=0, num_replicas=trainer.world_size,
+                          rank=trainer.global_rank)
     trainer.fit(module, loader, ckpt_path=last if last.exists() else None)
     tcs = lpa3.runner().tcs.state_dict()  # the core memory's: a collective, every rank calls it
     torch.save({"tcs": tcs, "cache": lpa3.runner().store.state_dict(include_inputs=True),
@@ -94,3 +97,5 @@ def main(out: Path, mode: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    if torch.distributed.is_initialized():  # (left to interpreter exit, gloo's threads can abort the process)
+        torch.distributed.destroy_process_group()
