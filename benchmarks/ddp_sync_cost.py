@@ -7,8 +7,10 @@ Spawns 2 CPU processes with the gloo backend (MASTER_ADDR=127.0.0.1, a free port
 with ``torch.set_num_threads(1)`` so the two processes do not fight over 2 cores. For each
 per-rank batch size and number of classes it measures, in the same run:
 
-* sync: the median wall time of one ``gather_predictions(indices, probs, targets)`` call
-  (the collective ``LPA3Callback.on_train_batch_end`` makes once per training step), after
+* sync: the median wall time of the exchange of one step's predictions: one
+  ``exchange_sizes`` and one ``gather_padded`` of (indices, finiteness, probabilities, targets),
+  the collectives ``TimeConsistency.update`` makes once per training step (after
+  ``training_step``, in ``LPA3Callback.on_train_batch_end``) before it applies the rows, after
   warm-up, with a ``dist.barrier()`` before each timed call; the larger of the two ranks'
   medians is reported;
 * step: the median wall time of one local forward + backward + SGD step of
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -39,22 +40,18 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lpa3_lightning.core.distributed import bytes_per_sample, gather_predictions  # noqa: E402
+from benchmarks.harness import apply_threads, free_port, max_over_ranks  # noqa: E402
+from lpa3_lightning.core.distributed import bytes_per_sample, exchange_sizes, gather_padded  # noqa: E402
 from lpa3_lightning.models import medmnist_resnet  # noqa: E402
 
 WORLD_SIZE = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+def exchange_predictions(indices: torch.Tensor, probs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's rows of one step, as ``TimeConsistency.update`` gathers them (its collectives
+    only: the rows are not applied to a memory)."""
+    finite = torch.isfinite(probs).all(dim=1)
+    return gather_padded([indices, finite.long(), probs, targets], exchange_sizes(int(indices.numel())))
 
 
 def _time_sync(rank: int, batch: int, num_classes: int, warmup: int, reps: int) -> float:
@@ -63,15 +60,15 @@ def _time_sync(rank: int, batch: int, num_classes: int, warmup: int, reps: int) 
     probs = torch.softmax(torch.randn(batch, num_classes, generator=gen), dim=1)
     targets = torch.randint(0, num_classes, (batch,), generator=gen)
     for _ in range(warmup):
-        out = gather_predictions(indices, probs, targets)
-    assert out[0].shape[0] == WORLD_SIZE * batch and out[1].shape == (WORLD_SIZE * batch, num_classes)
+        out = exchange_predictions(indices, probs, targets)
+    assert out[0].shape[0] == WORLD_SIZE * batch and out[2].shape == (WORLD_SIZE * batch, num_classes)
     times = []
     for _ in range(reps):
         dist.barrier()
         start = time.perf_counter()
-        gather_predictions(indices, probs, targets)
+        exchange_predictions(indices, probs, targets)
         times.append(time.perf_counter() - start)
-    return _max_over_ranks(statistics.median(times))
+    return max_over_ranks(statistics.median(times))
 
 
 def _time_step(batch: int, warmup: int, reps: int) -> float:
@@ -90,7 +87,7 @@ def _time_step(batch: int, warmup: int, reps: int) -> float:
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return _max_over_ranks(statistics.median(times))
+    return max_over_ranks(statistics.median(times))
 
 
 def _time_grad_allreduce(reps: int) -> tuple[float, int]:
@@ -103,11 +100,11 @@ def _time_grad_allreduce(reps: int) -> tuple[float, int]:
         start = time.perf_counter()
         dist.all_reduce(flat)
         times.append(time.perf_counter() - start)
-    return _max_over_ranks(statistics.median(times)), numel
+    return max_over_ranks(statistics.median(times)), numel
 
 
 def _worker(rank: int, port: int, cfg: dict) -> None:
-    torch.set_num_threads(1)
+    apply_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
@@ -130,8 +127,9 @@ def _worker(rank: int, port: int, cfg: dict) -> None:
 def _report(cfg: dict, sync: dict, step: dict, grad_s: float, numel: int, elapsed: float) -> None:
     print(f"torch {torch.__version__}, {platform.machine()}, os.cpu_count()={os.cpu_count()}, backend gloo (CPU), "
           f"{WORLD_SIZE} processes on 127.0.0.1, torch.set_num_threads(1) in each worker")
-    print(f"sync: median of {cfg['sync_reps']} gather_predictions calls after {cfg['sync_warmup']} warm-up, "
-          "dist.barrier() before each, max over ranks")
+    print(f"sync: median of {cfg['sync_reps']} exchanges of a step's predictions (exchange_sizes + gather_padded, "
+          f"as TimeConsistency.update makes) after {cfg['sync_warmup']} warm-up, dist.barrier() before each, "
+          "max over ranks")
     print("step: median local forward+backward+SGD step of medmnist_resnet('resnet18', 1, 2) at 28x28, "
           "both ranks at once, no gradient all-reduce; [reps, warm-up steps] per batch")
     header = (f"{'world':>5} {'batch':>6} {'classes':>7} {'bytes/rank/step':>15} {'recv/rank/step':>14} "
@@ -163,7 +161,7 @@ def main() -> None:
     else:
         cfg = {"batches": (32, 128, 512), "classes": (2, 10, 100), "sync_warmup": 10, "sync_reps": 50,
                "step_warmup": {32: 1, 128: 1}, "step_reps": {32: 5, 128: 5, 512: 3}, "grad_reps": 5}
-    mp.spawn(_worker, args=(_free_port(), cfg), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(), cfg), nprocs=WORLD_SIZE, join=True)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import apply_threads, run_arguments  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--labels", type=int, default=40)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
+    run_arguments(parser, seed=0)
     args = parser.parse_args()
+    apply_threads(args.threads)
 
     import lightning.pytorch as pl
     import torch
@@ -38,8 +40,6 @@ def main() -> None:
     from lpa3_lightning import FixMatchClassifier
     from lpa3_lightning.data import SemiSupervisedDataModule
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     pl.seed_everything(args.seed)
     data = SemiSupervisedDataModule("mnist5k", num_labels=args.labels, seed=args.seed, batch_size=32, mu=7,
                                     eval_batch_size=500)

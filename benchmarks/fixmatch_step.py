@@ -1,6 +1,6 @@
 """Cost of LP-A3 in a FixMatch step: step and epoch time against FixMatch's, and the floor; in one run.
 
-    python benchmarks/fixmatch_step.py [--epochs 4] [--accelerator gpu] [--setting wrn28_2_32px]
+    python benchmarks/fixmatch_step.py [--epochs 4] [--accelerator gpu] [--setting wrn28_2_32px] [--json PATH]
 
 ``FixMatchClassifier`` with one process per configuration, in one of two settings:
   mnist5k        (default) small CNN, MNIST-5k shipped in the package, 40 labels, batch 32 + 7 x 32
@@ -23,23 +23,32 @@ mean reuse epoch) / 10), and the floor of each: FixMatch's step + one training p
 (forward + backward, twin BN) + 5 x (forward + input-gradient backward) on the selected
 samples, the last divided by K when cached (the floor of the authors' cost: the default solves
 only the confident share, printed, and can go below it). Ratios are measured side by side in one run.
+``--json PATH`` writes every configuration's result and the ratios above (rewritten as each
+configuration finishes, ``"complete": false`` until the last).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import StepTimer, sync  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    StepTimer,
+    apply_threads,
+    device_label,
+    median_seconds,
+    on_gpu,
+    run_arguments,
+    run_worker,
+    worker_command,
+    write_result,
+)
 
 CONFIGS = ("fixmatch", "fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_lpa3_cached")
 RATIO = 0.9
@@ -135,17 +144,6 @@ def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28))
     x = torch.randn(selected, shape[0], shape[1], shape[1], device=device)
     y = torch.randint(0, 10, (selected,), device=device)
 
-    def timed(fn, reps: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     def input_grad_pass():
         model.eval()
         xs = x.clone().requires_grad_(True)
@@ -157,8 +155,8 @@ def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28))
         with use_twin_bn(model):
             torch.nn.functional.cross_entropy(model(x), y).backward()
 
-    attack = 5 * timed(input_grad_pass)
-    x_adv = timed(x_adv_pass)
+    attack = 5 * median_seconds(input_grad_pass, device, reps=5)
+    x_adv = median_seconds(x_adv_pass, device, reps=5)
     model.zero_grad(set_to_none=True)
     return attack, x_adv
 
@@ -166,7 +164,7 @@ def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=4, help="epoch 0 is the warm-up; 1.. are measured")
-    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or gpu")
+    run_arguments(parser, accelerator="cpu", json_out=True)
     parser.add_argument("--setting", default="mnist5k", choices=list(SETTINGS),
                         help="mnist5k (small CNN, the shipped data) or wrn28_2_32px (the CIFAR-10 step's shapes)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
@@ -176,30 +174,39 @@ def main() -> None:
     args = parser.parse_args()
     if args.epochs < 3:
         sys.exit("--epochs must be at least 3: epoch 0 is the warm-up, epoch 1 regenerates, 2.. reuse")
+    apply_threads(args.threads)
     if args.worker:
         print(json.dumps(_worker(args.worker, args.epochs, args.accelerator, args.setting)))
         return
     import torch
 
-    where = (torch.cuda.get_device_name(0) if args.accelerator in ("gpu", "cuda")
-             else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    where = device_label(args.accelerator)
     arch, (channels, size), batch_size, mu = SETTINGS[args.setting]
     what = "MNIST-5k" if args.setting == "mnist5k" else "random tensors"
     print(f"torch {torch.__version__}, {where}; FixMatch {arch}, {what} {channels}x{size}x{size}, batch {batch_size} + "
           f"{mu * batch_size} unlabeled, ratio {RATIO}, epochs 1..{args.epochs - 1} measured, one process each")
     results = {}
+    summary = {"script": "fixmatch_step", "torch": torch.__version__, "device": where, "setting": args.setting,
+               "arch": arch, "ratio": RATIO, "epochs": args.epochs, "complete": False, "configs": results}
     for config in [c for c in CONFIGS if c in args.configs or c in ("fixmatch", "fixmatch_lpa3_all")]:
-        done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(args.epochs),
-                               "--accelerator", args.accelerator, "--setting", args.setting],
-                              capture_output=True, text=True, cwd=ROOT)
-        if done.returncode != 0:
-            sys.exit(f"{config} failed:\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = run_worker(worker_command(__file__, [config], {
+            "--epochs": args.epochs, "--accelerator": args.accelerator, "--setting": args.setting,
+            "--threads": args.threads}), config)
         result["epochs_s"] = {int(k): v for k, v in result["epochs_s"].items()}
         print(f"{config}: {json.dumps(result)}", flush=True)  # kept if a time limit stops the run later
         results[config] = result
+        if args.json:
+            write_result(args.json, summary)
     base, lp = results["fixmatch"], results["fixmatch_lpa3_all"]
     floor_step = base["step_s"] + lp["x_adv_pass_s"] + lp["attack_s"]
+    summary["floor_step_s"] = floor_step
+    for config, r in results.items():
+        r["step_x_fixmatch"] = r["step_s"] / base["step_s"]
+        r["epoch_x_fixmatch"] = statistics.mean(r["epochs_s"].values()) / statistics.mean(base["epochs_s"].values())
+        if config != "fixmatch":
+            r["step_x_floor"] = r["step_s"] / floor_step
+        if on_gpu(args.accelerator):
+            r["peak_x_fixmatch"] = r["peak_mb"] / base["peak_mb"]
     print(f"steps per epoch: {base['steps_per_epoch']}")
     print(f"{'config':22} {'step s':>8} {'x FixMatch':>11} {'floor s':>8} {'x floor':>8} {'x solved (share of batch)':>26}")
     print(f"{'fixmatch':22} {base['step_s']:8.3f} {1:10.2f}x")
@@ -217,7 +224,10 @@ def main() -> None:
     for config in [c for c in ("fixmatch_lpa3_all", "fixmatch_lpa3") if c in results]:
         epoch = statistics.mean(results[config]["epochs_s"].values())
         print(f"fixmatch epoch {base_epoch:.2f} s; {config} epoch {epoch:.2f} s ({epoch / base_epoch:.2f}x)")
+    summary["complete"] = True
     if "fixmatch_lpa3_cached" not in results:
+        if args.json:
+            write_result(args.json, summary)
         return
     cached = results["fixmatch_lpa3_cached"]["epochs_s"]
     window = sorted(cached)[:10]
@@ -230,6 +240,10 @@ def main() -> None:
           f"{statistics.mean(reuse):.2f} s (x' from the cache {min(shares):.0%} to {max(shares):.0%}); amortized epoch "
           f"{amortized:.2f} s = {amortized / base_epoch:.2f}x FixMatch; floor {floor_epoch:.2f} s "
           f"({floor_epoch / base_epoch:.2f}x); amortized / floor {amortized / floor_epoch:.2f}x")
+    results["fixmatch_lpa3_cached"].update(amortized_epoch_s=amortized, amortized_x_fixmatch=amortized / base_epoch,
+                                           amortized_x_floor=amortized / floor_epoch)
+    if args.json:
+        write_result(args.json, summary)
 
 
 if __name__ == "__main__":

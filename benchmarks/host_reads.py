@@ -1,6 +1,6 @@
 """Host reads of device values and operators dispatched in one training step, plain and with LP-A3.
 
-    python benchmarks/host_reads.py [--arch resnet18] [--batch 128] [--ratio 0.3] [--steps 5]
+    python benchmarks/host_reads.py [--arch resnet18] [--batch 128] [--ratio 0.3] [--steps 5] [--json PATH]
 
 On a GPU every read of a tensor's value on the host (``.item()``, ``bool()``/``int()``/``float()``
 of a tensor, ``.tolist()``, ``nonzero()``, indexing with a boolean mask, whose result size
@@ -11,7 +11,8 @@ the callback's ``on_train_batch_end``) after a warm-up epoch, and counts the ope
 dispatches (torch profiler events). It prints them for the plain step (no callback), the
 LP-A3 step on the default path and on the sync-free path (``LPA3Callback(runtime={"sync_free": True})``,
 the path ``sync_free="auto"`` takes on a GPU), and each LP-A3 step's reads by call site in the
-package (the counter is :class:`lpa3_lightning.core.host_reads.HostReadCounter`).
+package (the counter is :class:`lpa3_lightning.core.host_reads.HostReadCounter`). ``--json PATH``
+writes each step's counts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import apply_threads, run_arguments, write_result  # noqa: E402
 
 
 def measure(sync_free: bool | None, args: argparse.Namespace) -> dict:
@@ -81,7 +84,9 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--sites", type=int, default=30, help="call sites to list")
+    run_arguments(parser, json_out=True)
     args = parser.parse_args()
+    apply_threads(args.threads)
     runs = {"plain": measure(None, args), "LP-A3 (default path)": measure(False, args),
             "LP-A3 (sync_free=True)": measure(True, args)}
     print(f"\none training step, {args.arch}, batch {args.batch}, ratio {args.ratio}, {args.steps} solver steps")
@@ -95,6 +100,9 @@ def main() -> None:
         print(f"\n{name}: host reads by call site:")
         for site, count in runs[name]["sites"]:
             print(f"{count:5d}  {site}")
+    if args.json:
+        write_result(args.json, {"script": "host_reads", "arch": args.arch, "batch": args.batch, "ratio": args.ratio,
+                                 "solver_steps": args.steps, "runs": runs})
 
 
 if __name__ == "__main__":

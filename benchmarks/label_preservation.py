@@ -1,6 +1,6 @@
 """How often the authors' unconstrained loop and the default (bisection) keep the label.
 
-    python benchmarks/label_preservation.py
+    python benchmarks/label_preservation.py [--threads 1]
 
 Trains a small CNN to saturation on synthetic images (class = brightness), then attacks
 fresh samples with no input box, the setting docs/method.md names as the authors' loop's worst
@@ -10,6 +10,7 @@ mean input change (L2) and the mean perceptual distance, for project=False and T
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,11 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import apply_threads, run_arguments  # noqa: E402
 from lpa3_lightning import lpa3_attack  # noqa: E402
 from tests.helpers import confident_batch, confident_cnn  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    run_arguments(parser)
+    apply_threads(parser.parse_args().threads)
     net = confident_cnn()
     x, y = confident_batch(64)
     with torch.no_grad():

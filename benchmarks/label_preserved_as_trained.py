@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning.pytorch as pl  # noqa: E402
 
+from benchmarks.harness import apply_threads, run_arguments  # noqa: E402
 from lpa3_lightning import LPA3Callback  # noqa: E402
 from lpa3_lightning.data import MedMNISTDataModule  # noqa: E402
 from lpa3_lightning.models.resnet import medmnist_resnet  # noqa: E402
@@ -32,7 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batches", type=int, default=3)
+    run_arguments(parser)
     args = parser.parse_args()
+    apply_threads(args.threads)
     print(f"ResNet-18 + twin BN, BreastMNIST, {args.epochs} epochs of training, then {args.batches} attacked "
           f"batches of 64 (sigma {SIGMA}, ratio 0.5)")
     print(f"{'training forward':18} {'kept as trained':>16} {'kept in deployed model':>23} {'x prime':>8}")

@@ -13,7 +13,8 @@ sigma 0.02 with tau (``ratio``) 0.5 (``lpa3``) or the paper's other values 0.2 /
 (``lpa3_tau0.2``, ``lpa3_tau0.9``); the paper tunes tau per data set, which the table does on
 the validation AUC when several are run. Not the paper's: ``lpa3_maxstep1`` (``solver.max_step=1.0``)
 and ``lpa3_maxstep1_k10lazy`` (the same with x' cached for 10 epochs, solver in regeneration
-epochs only). After every epoch the validation and test sets are
+epochs only). Ablations: ``lpa3_random`` (the same share selected at random each epoch,
+``selection.criterion="random"``) and ``lpa3_authors`` (``preset="authors"``). After every epoch the validation and test sets are
 evaluated with the wall-clock time, for the time-to-accuracy plot. Writes one JSON per run
 (``*.partial.json`` after every epoch until it ends), ``table.md`` (mean +- std over seeds) and
 ``time_to_accuracy.png``. With ``--jobs N`` the runs share the machine, so their wall times
@@ -50,6 +51,10 @@ METHODS: dict[str, tuple[bool, dict | None]] = {
     # the package defaults after issue 8 (max_step "auto", x' trained as verified, random first pass)
     # with x' cached for 10 epochs and the solver in regeneration epochs only
     "lpa3_k10lazy": (False, {"ratio": 0.5, "cache": {"regenerate_every_n_epochs": 10, "attack_new_selections": False}}),
+    # the paper's selection ablation: the same share selected at random each epoch instead of by TCS
+    "lpa3_random": (False, {"ratio": 0.5, "selection": {"criterion": "random"}}),
+    # the LP-A3 authors' solver and selection (preset="authors")
+    "lpa3_authors": (False, {"ratio": 0.5, "preset": "authors"}),
 }
 
 

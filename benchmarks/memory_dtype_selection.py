@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import apply_threads, run_arguments  # noqa: E402
 from lpa3_lightning import LPA3Callback, LPA3Classifier  # noqa: E402
 from lpa3_lightning.core.tcs import TimeConsistency  # noqa: E402
 from lpa3_lightning.data import MedMNISTDataModule  # noqa: E402
@@ -34,15 +35,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def record_run(args: argparse.Namespace) -> tuple[list[tuple[int, torch.Tensor, torch.Tensor]], int, int]:
-    """Train once; return every memory update (epoch, indices, probs) and the memory's size."""
+    """Train once; return every memory update (epoch, indices, probs) and the memory's size.
+
+    The update applies a row once an epoch (the first of its index; finite probabilities): a
+    replay with the same epochs applies the same rows."""
     stream: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     original = TimeConsistency.update
-    trainer_ref: list[pl.Trainer] = []
 
-    def recording(self, indices, probs, targets=None, keep=None, check_values=True):
-        applied = slice(None) if keep is None else keep
-        stream.append((trainer_ref[0].current_epoch, indices[applied].clone(), probs[applied].float().clone()))
-        return original(self, indices, probs, targets, keep=keep, check_values=check_values)
+    def recording(self, indices, probs, targets=None, *, epoch=None, **kwargs):
+        stream.append((epoch, indices.detach().cpu().clone(), probs.detach().float().cpu().clone()))
+        return original(self, indices, probs, targets, epoch=epoch, **kwargs)
 
     pl.seed_everything(0)
     data = MedMNISTDataModule(args.flag, root=args.root, batch_size=args.batch_size) if args.root else \
@@ -51,7 +53,6 @@ def record_run(args: argparse.Namespace) -> tuple[list[tuple[int, torch.Tensor, 
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
-    trainer_ref.append(trainer)
     TimeConsistency.update = recording
     try:
         trainer.fit(LPA3Classifier(num_classes=args.num_classes, in_channels=1), datamodule=data)
@@ -71,7 +72,7 @@ def replay(stream, num_samples: int, num_classes: int, dtype: str
             epoch_now = epoch
         if memory.has_threshold:
             selections.setdefault(epoch, []).append(memory.select(indices, epoch))
-        memory.update(indices, probs)
+        memory.update(indices, probs, epoch=epoch)
     return selections, memory
 
 
@@ -82,7 +83,9 @@ def main() -> None:
     parser.add_argument("--num-classes", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=32)
+    run_arguments(parser)
     args = parser.parse_args()
+    apply_threads(args.threads)
     start = time.perf_counter()
     stream, n, c = record_run(args)
     print(f"{time.strftime('%Y-%m-%d')}: {args.flag}, N = {n}, C = {c}, {args.epochs} epochs of a real LP-A3 run "

@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from benchmarks.harness import apply_threads, run_arguments
+
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of one noisy-label run (the defaults: the ``docs/results.md`` 12-epoch table)."""
-    parser.add_argument("--seed", type=int, default=0)
+    """The arguments of one noisy-label run (the defaults: the ``docs/results.md`` 12-epoch table),
+    with the harness's ``--seed`` and ``--threads`` (1)."""
+    run_arguments(parser, seed=0, threads=1)
     parser.add_argument("--source", default="mnist5k", help="mnist5k (ships) or a MedMNIST flag with --root")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files")
     parser.add_argument("--epochs", type=int, default=12)
@@ -22,17 +25,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=0.8, help="symmetric noise rate (always a wrong label)")
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
 
 
 def noisy_data(args: argparse.Namespace):
     """Sets the threads and the seed, then builds the data module set up for fitting and testing."""
     import lightning.pytorch as pl
-    import torch
 
     from lpa3_lightning.data import NoisyLabelDataModule
 
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     pl.seed_everything(args.seed)
     data = NoisyLabelDataModule(args.source, root=args.root, noise_rate=args.rate, noise_mode="symmetric",
                                 noise_convention="other", seed=args.seed, batch_size=args.batch_size)

@@ -39,7 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import (  # noqa: E402
-    apply_threads, load_results, mean_std, run_sweep, sweep_arguments, worker_command, write_result,
+    apply_threads,
+    load_results,
+    mean_std,
+    run_sweep,
+    sweep_arguments,
+    worker_command,
+    write_result,
 )
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import apply_threads, run_arguments  # noqa: E402
 from lpa3_lightning import LPA3Classifier, lpa3_attack  # noqa: E402
 from lpa3_lightning.data import MedMNISTDataModule  # noqa: E402
 
@@ -30,7 +31,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--batch-size", type=int, default=128)
+    run_arguments(parser)
     args = parser.parse_args()
+    apply_threads(args.threads)
     if not args.ckpt.is_file():
         sys.exit(f"--ckpt {args.ckpt} does not exist: run `make demo` first, or pass an LPA3Classifier checkpoint")
     checkpoint = torch.load(args.ckpt, map_location="cpu", weights_only=False)

@@ -5,10 +5,11 @@
 
 For each world size (CPU processes over gloo on 127.0.0.1, ``torch.set_num_threads(1)`` each)
 and memory layout, every process builds the memory LPA3Callback builds (the stored predictions,
-the scores, the seen flags, and the callback's per-sample record of the epoch of the last update)
-and runs the per-step update it makes after each training step (its ``MemoryFeed``: softmax,
-exchange, update), on synthetic predictions: each step a fresh permutation of the data set gives
-every rank ``--batch`` distinct indices, with randn logits. Reported per rank:
+the scores, the seen flags, and the per-sample epoch of the last update) and runs the per-step
+update it makes after each training step (softmax, then ``TimeConsistency.update``, which
+exchanges the step's rows between the processes and applies them), on synthetic predictions:
+each step a fresh permutation of the data set gives every rank ``--batch`` distinct indices,
+with randn logits. Reported per rank:
 
 * memory: bytes of those tensors (the replicated ones plus this rank's rows), and the process's
   peak resident set size (``ru_maxrss``, which includes torch itself, about 0.3-0.4 GB);
@@ -28,7 +29,6 @@ import argparse
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -40,7 +40,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lpa3_lightning.callback.memory_stage import MemoryFeed  # noqa: E402
+from benchmarks.harness import apply_threads, free_port, max_over_ranks  # noqa: E402
+from lpa3_lightning.core.distributed import bytes_per_sample  # noqa: E402
 from lpa3_lightning.core.shard_exchange import owned_rows  # noqa: E402
 from lpa3_lightning.core.tcs import STORAGE_DTYPES, TimeConsistency  # noqa: E402
 from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency  # noqa: E402
@@ -62,8 +63,8 @@ def received_bytes(world: int, batch: int, num_classes: int, layout: str, routed
     sizes = 8 * world
     if world == 1:
         return 0
-    if layout == "replicated":  # all-gathers of indices (8), probabilities (4C), labels (8)
-        return sizes + world * batch * (16 + 4 * num_classes)
+    if layout == "replicated":  # all-gathers of index, finite flag, label (8 each, one int64 gather), probs (4C)
+        return sizes + world * batch * bytes_per_sample(num_classes)
     facts = world * batch * 3 * 8  # index, finite flag, label as one int64 all-gather
     reduce = int(2 * (world - 1) / world * 4 * world * batch)  # ring all-reduce of the divergences
     return sizes + facts + routed_rows * 4 * num_classes + reduce
@@ -71,45 +72,42 @@ def received_bytes(world: int, batch: int, num_classes: int, layout: str, routed
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    apply_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     n, c, b = args.num_samples, args.num_classes, args.batch
     kwargs = {"storage_dtype": args.dtype}
     memory = (ShardedTimeConsistency(n, c, 0.5, num_shards=world, shard=rank, **kwargs) if layout == "sharded"
               else TimeConsistency(n, c, 0.5, **kwargs))
-    # the callback's own per-step update: MemoryFeed with its per-sample record of the last update
-    feed = MemoryFeed(memory, sync_free=False, last_update_epoch=torch.full((n,), -1, dtype=torch.long))
-    held = sum(t.numel() * t.element_size() for t in (memory.memory, memory.scores, memory.seen,
-                                                      feed.last_update_epoch))
+    stored = memory.local_rows if layout == "sharded" else memory.memory
+    held = sum(t.numel() * t.element_size() for t in (stored, memory.scores, memory.seen, memory.last_update_epoch))
     assert held == memory_bytes(n, c, world, rank, layout, STORAGE_DTYPES[args.dtype].itemsize)
     times, routed = [], []
     for step in range(args.warmup + args.steps):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(step))[:world * b]
         indices = order[rank * b:(rank + 1) * b]
         logits = torch.randn(b, c, generator=torch.Generator().manual_seed(1000 + step))
+        labels = torch.randint(0, c, (b,), generator=torch.Generator().manual_seed(2000 + step))
         routed.append(int((order % world == rank).sum()))  # the rows this rank owns this step
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        feed.feed(indices, logits, None, 1.0, epoch=step)  # a new epoch each step: every row is applied
+        # the callback's update (NetworkRunner.finish: temperature 1, the labels a supervised module
+        # records, the default path's checks); a new epoch each step: every row is applied
+        memory.update(indices, torch.softmax(logits.float(), dim=1), labels, epoch=step, check_values=True)
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
     median = statistics.median(times)
     if world > 1:
-        t = torch.tensor([median])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        median = float(t)
+        median = max_over_ranks(median)
         dist.destroy_process_group()
     rows = int(statistics.mean(routed)) if layout == "sharded" else b
     queue.put((rank, held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, median, rows))
 
 
 def _measure(world: int, args: argparse.Namespace, layout: str) -> list[tuple]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, layout, queue)) for r in range(world)]

@@ -17,12 +17,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import apply_threads, run_arguments  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
+    run_arguments(parser)
     args = parser.parse_args()
+    apply_threads(args.threads)
 
     import torch
     import torch.nn.functional as F
@@ -30,8 +33,6 @@ def main() -> None:
     from lpa3_lightning.data import NoisyLabelDataModule
     from lpa3_lightning.models.small_cnn import small_cnn
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     data = NoisyLabelDataModule("mnist5k", noise_rate=0.0, seed=0, batch_size=64)
     data.setup("fit")
     data.setup("test")

@@ -1,6 +1,6 @@
 """Solver speed: lpa3_attack against a direct transcription of the authors' loop.
 
-    python benchmarks/solver_speed.py [--repeats 5] [--data ../shared/data] [--device cuda]
+    python benchmarks/solver_speed.py [--repeats 5] [--data ../shared/data] [--device cuda] [--json PATH]
 
 Same model, batch and initial noise, one process, median of repeated runs, on ResNet-18
 (MedMNIST stem, 1x28x28, batch 64, briefly trained on BreastMNIST) and WRN-28-2 (3x32x32,
@@ -19,13 +19,13 @@ authors' x' can be compared with ours: both are otherwise amplified by the 1/slo
 The transcription follows docs/method.md, written here: loss.backward() through every parameter
 (filling .grad, zeroed each step) and a finite-difference forward at every step. All solvers
 run the model in eval mode (BN on running statistics) so that their x' can be compared; the
-authors run it in train mode through twin BNs, which costs the same passes.
+authors run it in train mode through twin BNs, which costs the same passes. ``--json PATH``
+writes every row of the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import apply_threads, device_label, run_arguments, sync, write_result  # noqa: E402
 from lpa3_lightning import lpa3_attack  # noqa: E402
 from lpa3_lightning.core.features import PerceptualFeatures  # noqa: E402
 from lpa3_lightning.core.input_box import resolve_input_range  # noqa: E402
@@ -98,11 +99,6 @@ def _data(root: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {"resnet18": (xb, yb), "wrn28_2": (xd, yd)}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_interleaved(runs: dict, repeats: int, device: torch.device) -> dict[str, tuple[list[float], torch.Tensor]]:
     """Every solver once per round, ``repeats`` rounds: drifts of the machine hit all alike."""
     times: dict[str, list[float]] = {label: [] for label in runs}
@@ -112,10 +108,10 @@ def _time_interleaved(runs: dict, repeats: int, device: torch.device) -> dict[st
             fn()  # CUDA/cuDNN initialisation, kernel selection and graph capture are not the solver's cost
     for _ in range(repeats):
         for label, fn in runs.items():
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             outs[label] = fn()
-            _sync(device)
+            sync(device)
             times[label].append(time.perf_counter() - start)
     return {label: (times[label], outs[label]) for label in runs}
 
@@ -141,7 +137,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--channels-last", action="store_true",
                         help="models and inputs in channels-last memory format, for every solver")
+    run_arguments(parser, json_out=True)
     args = parser.parse_args()
+    apply_threads(args.threads)
     device = torch.device(args.device)
     # The authors' loop runs as a user would run it: the backends' default settings (TF32
     # convolutions on NVIDIA GPUs, non-deterministic cuDNN). lpa3_attack turns TF32 off inside
@@ -153,12 +151,14 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
     if not (args.data / "medmnist" / "breastmnist.npz").exists():
         sys.exit(f"data not found under {args.data}: pass --data <folder with medmnist/ and mnist5k/>")
     torch.manual_seed(0)
-    where = (f"{torch.cuda.get_device_name(device)}, backend defaults (the authors' loop with TF32 convolutions)"
-             if device.type == "cuda" else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    where = device_label(str(device)) + (", backend defaults (the authors' loop with TF32 convolutions)"
+                                         if device.type == "cuda" else "")
     layout = ", channels-last" if args.channels_last else ""
     print(f"torch {torch.__version__}, {where}; median (min-max) of "
           f"{args.repeats} interleaved rounds; sigma {SIGMA}, 5 steps, batch 64, models in eval mode{layout}")
     data = _data(args.data)
+    summary: dict = {"script": "solver_speed", "torch": torch.__version__, "device": where, "repeats": args.repeats,
+                     "sigma": SIGMA, "channels_last": args.channels_last, "models": {}}
     builders = {"resnet18": lambda: medmnist_resnet("resnet18", 1, 2), "wrn28_2": lambda: wrn28_2(10)}
     for name, build in builders.items():
         model = build()
@@ -195,6 +195,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
         print(f"\n{name}: input {tuple(x.shape)}")
         print(f"{'solver':32} {'median s':>9} {'min-max s':>15} {'speed-up':>9} {'max|dx| vs authors':>19} "
               f"{'preserved':>10} {'max excess':>11} {'feat dist':>10}")
+        rows = summary["models"][name] = {}
         for label, (times, x_adv) in results.items():
             t = statistics.median(times)
             preserved, excess, dist = _quality(model, x, y, x_adv)
@@ -202,6 +203,11 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
             spread = f"{min(times):.3f}-{max(times):.3f}"
             print(f"{label:32} {t:9.3f} {spread:>15} {base_t / t:8.2f}x {diff:19.2e} {preserved:10.3f} "
                   f"{excess:11.2e} {dist:10.4f}")
+            rows[label] = {"median_s": t, "min_s": min(times), "max_s": max(times), "speedup": base_t / t,
+                           "max_dx_vs_authors": diff, "preserved": preserved, "max_excess": excess,
+                           "feat_dist": dist}
+    if args.json:
+        write_result(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import (  # noqa: E402
-    apply_threads, load_results, mean_std, run_sweep, sweep_arguments, worker_command, write_result,
+    apply_threads,
+    load_results,
+    mean_std,
+    run_sweep,
+    sweep_arguments,
+    worker_command,
+    write_result,
 )
 
-METHODS = ("fixmatch", "fixmatch_lpa3")
+#: fixmatch_lpa3_random: the same count of rows selected at random each epoch instead of by TCS
+#: (selection.criterion="random", the paper's selection ablation); fixmatch_lpa3_authors: the
+#: LP-A3 authors' solver and selection (preset="authors")
+METHODS = ("fixmatch", "fixmatch_lpa3", "fixmatch_lpa3_random", "fixmatch_lpa3_authors")
 
 
 def _threshold(lpa3_confidence: float | None) -> float:
@@ -38,10 +47,11 @@ def _threshold(lpa3_confidence: float | None) -> float:
 
 def result_path(out: Path, source: str, labels: int, method: str, seed: int, steps: int, regenerate: int,
                 solve_trained_only: bool = False, lpa3_confidence: float | None = None) -> Path:
-    cache = f"_k{regenerate}" if method == "fixmatch_lpa3" and regenerate != 1 else ""
-    trained = "_trained" if method == "fixmatch_lpa3" and solve_trained_only else ""
+    lpa3 = method.startswith("fixmatch_lpa3")
+    cache = f"_k{regenerate}" if lpa3 and regenerate != 1 else ""
+    trained = "_trained" if lpa3 and solve_trained_only else ""
     # the module's default threshold (0.9, the authors') keeps the file names the earlier runs have
-    confidence = (f"_c{lpa3_confidence:g}" if method == "fixmatch_lpa3" and _threshold(lpa3_confidence) != 0.9
+    confidence = (f"_c{lpa3_confidence:g}" if lpa3 and _threshold(lpa3_confidence) != 0.9
                   else "")
     return out / f"{source}_{labels}_{method}{cache}{trained}{confidence}_s{steps}_seed{seed}.json"
 
@@ -177,8 +187,10 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     curve = Curve()
     # the curve callback first: its timer includes the LP-A3 callback's work in on_train_batch_start
     callbacks: list[Callback] = [curve, ema]
-    if method == "fixmatch_lpa3":
+    if method.startswith("fixmatch_lpa3"):
         callbacks.insert(1, LPA3Callback(ratio=0.9, sigma=0.02, steps=5, seed=seed,
+                                         preset="authors" if method == "fixmatch_lpa3_authors" else "package",
+                                         selection={"criterion": "random"} if method == "fixmatch_lpa3_random" else None,
                                          cache={"regenerate_every_n_epochs": regenerate}))
     trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", devices=1, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -190,7 +202,8 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "regenerate_every_n_epochs": regenerate, "final_raw_test_acc": curve.rows[-1]["raw_test_acc"],
               "num_workers": num_workers, "auto_max_step_fraction": AUTO_MAX_STEP_FRACTION,
               "solve_trained_only": solve_trained_only,
-              "lpa3_confidence": module.lpa3_settings.lpa3_confidence_threshold if method == "fixmatch_lpa3" else None}
+              "lpa3_confidence": (module.lpa3_settings.lpa3_confidence_threshold if method.startswith("fixmatch_lpa3")
+                                  else None)}
     write_result(path, result)
     return result
 
@@ -208,7 +221,7 @@ def summarize(results: list[dict]) -> str:
                              f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['steps']} |")
         for seed in sorted({r["seed"] for r in results if (r["source"], r["labels"]) == (source, labels)}):
             pair = {r["method"]: r for r in results if (r["source"], r["labels"], r["seed"]) == (source, labels, seed)}
-            if set(METHODS) <= set(pair):
+            if {"fixmatch", "fixmatch_lpa3"} <= set(pair):
                 for key, name in (("test_acc", "EMA"), ("raw_test_acc", "raw")):
                     target = pair["fixmatch"]["curve"][-1][key]
                     base = next(row for row in pair["fixmatch"]["curve"] if row[key] >= target)
@@ -231,7 +244,8 @@ def plot_convergence(results: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.2 * len(groups)), squeeze=False)
     for row, (source, labels) in enumerate(groups):
         for r in (r for r in results if (r["source"], r["labels"]) == (source, labels)):
-            color = "tab:blue" if r["method"] == "fixmatch" else "tab:red"
+            color = {"fixmatch": "tab:blue", "fixmatch_lpa3": "tab:red", "fixmatch_lpa3_random": "tab:green",
+                     "fixmatch_lpa3_authors": "tab:orange"}[r["method"]]
             for col, x_key in enumerate(("step", "train_seconds")):
                 xs = [c[x_key] for c in r["curve"]]
                 axes[row][col].plot(xs, [c["raw_test_acc"] for c in r["curve"]], color=color, alpha=0.8,
@@ -241,7 +255,8 @@ def plot_convergence(results: list[dict], path: Path) -> Path:
             axes[row][col].set_xlabel(x_label)
             axes[row][col].set_ylabel(f"{source} {labels} labels: test accuracy")
         axes[row][0].legend(fontsize=6)
-    fig.suptitle("solid: raw weights, dotted: EMA 0.999; blue FixMatch, red FixMatch + LP-A3")
+    fig.suptitle("solid: raw weights, dotted: EMA 0.999; blue FixMatch, red + LP-A3, green + LP-A3 with random "
+                 "selection, orange + LP-A3 preset authors")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
