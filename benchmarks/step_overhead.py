@@ -1,6 +1,6 @@
 """Training overhead of LP-A3: time per step, per epoch (cached x'), peak memory; in one run.
 
-    python benchmarks/step_overhead.py [--epochs 3] [--accelerator gpu]
+    python benchmarks/step_overhead.py [--epochs 3] [--accelerator gpu] [--repeats 3]
 
 ResNet-18 (MedMNIST stem) on the embedded BreastMNIST train split (546 images, 28x28),
 batch 128, Adam, one process per configuration (so peak memory is per configuration):
@@ -34,7 +34,6 @@ import json
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import StepTimer, sync  # noqa: E402
+from benchmarks.harness import StepTimer, run_worker, sync  # noqa: E402
 
 CONFIGS = ("baseline", "lpa3", "lpa3_log_every_step", "lpa3_eager", "lpa3_graphs", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy",
            "lpa3_cached_graphs")
@@ -142,6 +141,17 @@ def _floor(module, ratio: float) -> tuple[float, float]:
     return attack, aug
 
 
+def _median_of(runs: list[dict]) -> dict:
+    """One configuration's result over its repeats: the median of each time and memory figure."""
+    merged = dict(runs[0])
+    for key in ("step_s", "mean_step_s", "peak_mb", "attack_s", "x_adv_pass_s"):
+        if key in merged:
+            merged[key] = statistics.median(r[key] for r in runs)
+    merged["epochs_s"] = {e: statistics.median(r["epochs_s"][e] for r in runs) for e in runs[0]["epochs_s"]}
+    merged["repeats"] = len(runs)
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3, help="epoch 0 is warm-up; epochs 1.. are measured")
@@ -151,6 +161,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5, help="LP-A3 ratio (tau); the MedMNIST table uses 0.5")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
                         help="which configurations to run (baseline always runs: every ratio is to it)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every configuration this many times, in turn, and report the medians")
     parser.add_argument("--json", type=Path, default=None, help="also write every configuration's result to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -166,16 +178,17 @@ def main() -> None:
     print(f"torch {torch.__version__}, {where}; ResNet-18 28x28, "
           f"batch 128, BreastMNIST train (546), epochs 1..{args.epochs - 1} measured, one process each")
     results = {}
-    for config in ["baseline"] + [c for c in args.configs if c != "baseline"]:
-        epochs = args.cached_epochs if config.startswith("lpa3_cached") and args.cached_epochs else args.epochs
-        done = subprocess.run([sys.executable, __file__, "--worker", config, "--epochs", str(epochs),
-                               "--accelerator", args.accelerator, "--ratio", str(args.ratio)], capture_output=True, text=True, cwd=ROOT)
-        if done.returncode != 0:
-            sys.exit(f"{config} failed:\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        result["epochs_s"] = {int(k): v for k, v in result["epochs_s"].items()}  # JSON made the keys strings
-        print(f"{config}: {json.dumps(result)}", flush=True)  # kept if a time limit stops the run later
-        results[config] = result
+    configs = ["baseline"] + [c for c in args.configs if c != "baseline"]
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    for repeat in range(args.repeats):  # round robin: a slow spell of the machine touches every configuration
+        for config in configs:
+            epochs = args.cached_epochs if config.startswith("lpa3_cached") and args.cached_epochs else args.epochs
+            result = run_worker([sys.executable, __file__, "--worker", config, "--epochs", str(epochs), "--accelerator",
+                                 args.accelerator, "--ratio", str(args.ratio)], config)
+            result["epochs_s"] = {int(k): v for k, v in result["epochs_s"].items()}  # JSON made the keys strings
+            print(f"{config} (run {repeat + 1} of {args.repeats}): {json.dumps(result)}", flush=True)
+            runs[config].append(result)
+    results = {config: _median_of(rs) for config, rs in runs.items()}
     base = results["baseline"]
     base_epoch = statistics.median(base["epochs_s"].values())
     print("peak MB = peak GPU memory allocated" if args.accelerator in ("gpu", "cuda") else
