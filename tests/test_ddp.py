@@ -145,6 +145,27 @@ def test_the_sharded_memory_runs_the_same_fit_as_the_replicated_one(shared, mode
     assert sum(int(m.sum()) for _, m in sharded[0]["steps"]) > 0
 
 
+@pytest.mark.parametrize("mode, expected", [
+    # the step's one reduction; the memory's size exchange and its gather (int64 columns, float32 rows)
+    ("ignore_aug", {"all_reduce": 1, "all_gather": 3}),
+    ("ignore_aug+sync_free", {"all_reduce": 1, "all_gather": 3}),
+    # split memory: rows to their owners (all-to-all), the owners' divergences summed (an all-reduce)
+    ("ignore_aug+sharded", {"all_reduce": 2, "all_gather": 2, "all_to_all_single": 1}),
+    # a rank without x' joins the same collectives as the other
+    ("empty_rank1", None),
+])
+def test_each_step_makes_one_reduction_and_the_memory_exchange(shared, mode, expected):
+    """Counted from torch.distributed's functions during the callback's batch hooks, every step."""
+    rank0, rank1 = _results(shared, mode)
+    assert len(rank0["collectives"]) == len(rank1["collectives"]) == EPOCHS * N // 16
+    for step, (a, b) in enumerate(zip(rank0["collectives"], rank1["collectives"])):
+        assert a == b, step  # the same collectives on both ranks, step by step
+        if expected is not None:
+            assert a == expected, step
+        else:  # with a cache the new x' travel too, by gathers: still one reduction
+            assert a["all_reduce"] == 1, step
+
+
 def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(shared):
     rank0, rank1 = _results(shared, "supervised")
     _same_on_both_ranks(rank0["tcs"], rank1["tcs"])

@@ -8,10 +8,19 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 from lpa3_lightning.callback.runner import Prepared
 
 __all__ = ["agree", "consumes_of", "same_on_every_rank"]
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value's maximum over the ranks: one all-reduce. (Not ``trainer.strategy.reduce``:
+    Lightning's DDP reduce puts a barrier before every all-reduce, a second collective a step.)"""
+    flags = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
 
 
 def agree(trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Prepared],
@@ -26,7 +35,7 @@ def agree(trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Pre
     for p in prepared:
         flags += [float(p.consumes), float(not p.consumes)]
     if trainer.world_size > 1:
-        flags = trainer.strategy.reduce(torch.tensor(flags, device=pl_module.device), reduce_op="max").tolist()
+        flags = _max_over_ranks(flags, pl_module.device)
     own = next((p.error for p in prepared if p.error is not None), None)
     if own is not None:
         raise own
@@ -55,7 +64,6 @@ def same_on_every_rank(trainer: pl.Trainer, pl_module: pl.LightningModule, value
     """Whether every rank passed the same integers (one reduction at fit start)."""
     if trainer.world_size <= 1:
         return True
-    both = torch.tensor([float(v) for v in values] + [-float(v) for v in values], device=pl_module.device)
-    reduced = trainer.strategy.reduce(both, reduce_op="max").tolist()
+    reduced = _max_over_ranks([float(v) for v in values] + [-float(v) for v in values], pl_module.device)
     n = len(values)
     return all(reduced[k] == values[k] and -reduced[n + k] == values[k] for k in range(n))

@@ -110,6 +110,30 @@ class ConsumesOnRankZero(UserModule):
         return self.trainer.global_rank == 0
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+               "reduce_scatter_tensor", "barrier")
+_IN_HOOK = [None]  # the counts of the callback hook running now, or None outside its hooks
+
+
+def _count_collectives() -> None:
+    """Count every torch.distributed collective called inside the callback's batch hooks (Lightning's
+    strategy.reduce goes through torch.distributed.all_reduce too)."""
+    import torch.distributed as dist
+
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+        if getattr(original, "_counted", False):
+            continue
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            if _IN_HOOK[0] is not None:
+                _IN_HOOK[0][_name] = _IN_HOOK[0].get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        counted._counted = True  # type: ignore[attr-defined]
+        setattr(dist, name, counted)
+
+
 class Recording(LPA3Callback):
     def __init__(self, *args, empty_rank: int | None = None, bad_rank: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -118,6 +142,16 @@ class Recording(LPA3Callback):
         self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.applied_per_epoch: dict[int, int] = {}
         self.x_prime: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (epoch, indices, x') per step
+        self.collectives: list[dict[str, int]] = []  # per step: the collectives of the callback's batch hooks
+        _count_collectives()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.collectives.append({})
+        _IN_HOOK[0] = self.collectives[-1]
+        try:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        finally:
+            _IN_HOOK[0] = None
 
     def _check_request(self, request, num_classes, num_samples, values=True):
         if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
@@ -128,7 +162,11 @@ class Recording(LPA3Callback):
         # applied rows, counted from the outside: the samples whose score this step's update changed
         # (a padded repeat applied again in a later step of the epoch would be counted twice)
         before = self.runner().tcs.scores.clone()
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        _IN_HOOK[0] = self.collectives[-1]
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            _IN_HOOK[0] = None
         changed = int((self.runner().tcs.scores != before).sum())
         self.applied_per_epoch[trainer.current_epoch] = self.applied_per_epoch.get(trainer.current_epoch, 0) + changed
 
@@ -351,6 +389,7 @@ def main(out: Path, mode: str) -> None:
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "final.ckpt")
     torch.save({"tcs": callback.runner().tcs.state_dict(), "steps": callback.record, "applied": callback.applied_per_epoch,
+                "collectives": callback.collectives,
                 "cache": None if callback.runner().store is None else callback.runner().store.state_dict(include_inputs=True),
                 "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                 "seen_augmented": getattr(module, "seen_augmented", None),
