@@ -27,7 +27,6 @@ import argparse
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from sklearn.datasets import load_breast_cancer
 from sklearn.model_selection import train_test_split
 from torch import nn

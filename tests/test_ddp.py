@@ -48,7 +48,7 @@ def _run(tmp_path: Path, mode: str, timeout: float = 300) -> subprocess.Complete
 #: the one whose whole log is read get their own launch
 SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "ignore_aug+sharded", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
                 "padded+sync_free", "padded+sharded", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
-                "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid", "user_module")
+                "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid", "user_module", "seed_differs")
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +166,18 @@ def test_each_step_makes_one_reduction_and_the_memory_exchange(shared, mode, exp
             assert a["all_reduce"] == 1, step
 
 
+def test_ranks_seeded_differently_agree_on_the_callbacks_seed_and_its_random_first_pass(shared):
+    rank0, rank1 = _results(shared, "seed_differs")
+    from lpa3_lightning.core.selection import random_selection
+
+    assert rank0["seed"] == rank1["seed"]
+    share = random_selection(torch.arange(N), N, 0.5, rank0["seed"], epoch=0)  # rank 0's seed: the one share
+    for result in (rank0, rank1):
+        for idx, mask in result["steps"][:N // 16]:  # the first pass, before any threshold
+            expected = share[idx]
+            assert torch.equal(mask, torch.zeros_like(expected) if int(expected.sum()) == 1 else expected)
+
+
 def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(shared):
     rank0, rank1 = _results(shared, "supervised")
     _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
@@ -233,11 +245,16 @@ def test_a_user_written_module_trains_through_warmup_under_ddp(shared):
 
 
 @pytest.mark.parametrize("mode, reason", [("bad_index_rank1", "LPA3Request.indices` out of range"),
-                                          ("crash_rank1", "lpa3_request failed on one rank")])
+                                          ("crash_rank1", "lpa3_request failed on one rank"),
+                                          # after the step's reduction: the rank withdraws from the memory's exchange
+                                          ("on_augmented_rank1", "on_augmented failed on one rank")])
 def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
     done = _run(tmp_path, mode)
     assert done.returncode != 0
     assert reason in done.stdout + done.stderr
+    # the other rank stops at the step's next exchange with the package's word, not a dropped connection
+    # (gloo's "Connection closed by peer" once rank 1 has exited; NCCL would wait for its watchdog)
+    assert "LPA3Callback stopped because another process failed" in done.stdout + done.stderr
 
 
 def test_fixmatch_under_ddp_keeps_one_tcs_memory_over_the_unlabeled_set(shared):
@@ -338,7 +355,7 @@ def test_a_rank_zero_only_state_dict_of_a_sharded_memory_fails_at_once(tmp_path)
 
 def test_an_ordinary_ddp_run_keeps_the_whole_memory_on_every_rank(shared):
     """``memory_layout='auto'`` splits the memory only where it pays (hundreds of MB): a run of 48
-    samples keeps every row on every rank, so ``callback.tcs.memory`` means the same on each."""
+    samples keeps every row on every rank, so ``callback.runner().tcs.memory`` means the same on each."""
     rank0, rank1 = _results(shared, "supervised")
     for key in ("memory", "scores", "seen", "threshold"):
         assert torch.equal(rank0["tcs"][key], rank1["tcs"][key]), key

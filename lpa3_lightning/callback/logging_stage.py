@@ -15,7 +15,6 @@ from torch.utils.data import default_collate
 from lpa3_lightning.callback.augment_stage import Augmenter
 from lpa3_lightning.callback.epoch_mean import NanIgnoringMean
 from lpa3_lightning.core.augmented import AugmentedBatch
-from lpa3_lightning.core.model_outputs import unwrap_compiled
 from lpa3_lightning.core.solver_forward import label_logp
 from lpa3_lightning.core.visualize import comparison_grid
 
@@ -182,9 +181,12 @@ def log_grid(trainer: pl.Trainer, module: Any, augmenter: Augmenter, prefix: str
         request = module.lpa3_request(batch)
         if request.inputs.shape[0] == 0 or request.inputs.dim() != 4 or request.inputs.shape[1] not in (1, 3):
             return None  # not images: the logged perceptual distance is the picture
-        model = unwrap_compiled(module.lpa3_model())
+        # the training's normalisation (twins, the batch's own statistics, or eval), on these images
+        model, bn_mode = augmenter.attack_model(module, request.inputs)
+        if request.inputs.shape[0] < 2:
+            bn_mode = "eval"  # (batch statistics need two images)
         x_adv, _ = augmenter.solve(module, model, request.inputs, request.targets,
-                                   torch.Generator(device=request.inputs.device).manual_seed(0), "eval",
+                                   torch.Generator(device=request.inputs.device).manual_seed(0), bn_mode,
                                    graphs=False)  # a one-off solve: a graph would hold memory for the fit
     input_range = augmenter.settings.input_range
     normalization = input_range if isinstance(input_range, Mapping) else None

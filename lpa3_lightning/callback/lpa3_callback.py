@@ -24,7 +24,7 @@ from lpa3_lightning.callback.module_checks import (
     input_range_of,
 )
 from lpa3_lightning.callback.networks import NetworkView, module_networks
-from lpa3_lightning.callback.rank_agreement import agree, consumes_of, same_on_every_rank
+from lpa3_lightning.callback.rank_agreement import agree, agreed_seed, consumes_of, same_on_every_rank
 from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
     CacheSettings,
@@ -44,7 +44,7 @@ from lpa3_lightning.core.input_box import InputRange
 from lpa3_lightning.core.model_outputs import unwrap_compiled
 from lpa3_lightning.core.selection import check_ratio
 
-__all__ = ["LPA3Callback"]
+__all__ = ["LPA3Callback", "is_lpa3_state"]
 
 #: The version of :meth:`LPA3Callback.state_dict`; a checkpoint of another is refused by name.
 STATE_VERSION = 5
@@ -156,9 +156,10 @@ class LPA3Callback(Callback):
             check_int(seed, "seed", 0, "use None or a non-negative int.")
         if layers is not None and not isinstance(layers, (str, Sequence)):
             raise ValueError(f"`layers` must be None, a name/pattern or a list of them, got {layers!r}.")
-        if input_range not in ("auto", None) and not isinstance(input_range, (Mapping, Sequence)):
-            raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean', 'std'}}, got "
-                             f"{input_range!r}.")
+        if not _input_range_shaped(input_range):
+            raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean': ..., 'std': ...}}, got "
+                             f"{input_range!r}. Fix: e.g. (0.0, 1.0) for pixels in [0, 1], the normalisation's "
+                             "{'mean': [...], 'std': [...]}, or None for no box.")
         self.sigma, self.steps, self.warmup_epochs, self.seed = float(sigma), steps, warmup_epochs, seed
         self.layers, self.input_range, self.preset = layers, input_range, preset
         groups = preset_groups(preset, solver=solver, selection=selection, cache=cache, runtime=runtime,
@@ -237,7 +238,10 @@ class LPA3Callback(Callback):
             ValueError: ``runtime.cuda_graphs`` without the sync-free path, naming the fix.
         """
         if self._base_seed is None:
-            self._base_seed = torch.initial_seed() & (2**62 - 1)  # (no draw from the global generator)
+            # (no draw from the global generator; 52 bits travel exactly through the float64 agreement)
+            self._base_seed = torch.initial_seed() & (2**52 - 1)
+            if trainer.world_size > 1:  # rank 0's and rank 1's torch seeds may differ: every rank takes one
+                self._base_seed = agreed_seed(self._base_seed)
         input_range = input_range_of(trainer, self.input_range, self._warned_no_range)
         sync_free = pl_module.device.type != "cpu" if self.runtime.sync_free == "auto" else bool(self.runtime.sync_free)
         if self.runtime.cuda_graphs and not sync_free:
@@ -353,7 +357,7 @@ class LPA3Callback(Callback):
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("callbacks", {})
-        others = [key for key, state in states.items() if key != self.state_key and _is_lpa3_state(state)]
+        others = [key for key, state in states.items() if key != self.state_key and is_lpa3_state(state)]
         if others and self.state_key not in states:
             rank_zero_warn(
                 f"The checkpoint holds LP-A3 state under {others}, not under this callback's {self.state_key!r} "
@@ -362,7 +366,17 @@ class LPA3Callback(Callback):
             )
 
 
-def _is_lpa3_state(state: Any) -> bool:
+def _input_range_shaped(input_range: Any) -> bool:
+    """Whether ``input_range`` has one of the accepted forms (its values are checked at the first solve,
+    against the inputs' channels)."""
+    if isinstance(input_range, str) or input_range is None:
+        return input_range in ("auto", None)
+    if isinstance(input_range, Mapping):
+        return {"mean", "std"} <= set(input_range)
+    return isinstance(input_range, Sequence) and not isinstance(input_range, bytes) and len(input_range) == 2
+
+
+def is_lpa3_state(state: Any) -> bool:
     """Whether a callback state in a checkpoint is an LPA3Callback's (of any class or settings)."""
     return isinstance(state, dict) and "networks" in state and "seed" in state and "version" in state
 

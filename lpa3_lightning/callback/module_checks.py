@@ -47,7 +47,8 @@ def check_module(module: Any, layers: Any, attack_bn: str) -> None:
     resolve_layers(model, layers)  # fails early, listing the available layer names
     if attack_bn == "twin" and not has_dual_bn(model):
         raise ValueError("`solver.attack_bn='twin'` needs twin BatchNorms in the model. Fix: call "
-                         "`convert_dual_bn(model)` in the module, or use solver.attack_bn='eval'.")
+                         "`convert_dual_bn(model)` in the module, or use solver.attack_bn='auto' (the model's own "
+                         "BatchNorms on the batch's statistics, 'batch', for a model without twins).")
 
 
 def check_synced_batchnorm(model: nn.Module, world_size: int) -> None:

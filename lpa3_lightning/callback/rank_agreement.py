@@ -11,14 +11,16 @@ import torch
 import torch.distributed as dist
 
 from lpa3_lightning.callback.runner import Prepared
+from lpa3_lightning.core.distributed import communication_device
 
-__all__ = ["agree", "consumes_of", "same_on_every_rank"]
+__all__ = ["agree", "agreed_seed", "consumes_of", "same_on_every_rank"]
 
 
-def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Each value's maximum over the ranks: one all-reduce. (Not ``trainer.strategy.reduce``:
-    Lightning's DDP reduce puts a barrier before every all-reduce, a second collective a step.)"""
-    flags = torch.tensor(values, dtype=torch.float64, device=device)
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks: one all-reduce, on the device the memory's collectives
+    use too. (Not ``trainer.strategy.reduce``: Lightning's DDP reduce puts a barrier before every
+    all-reduce, a second collective a step.)"""
+    flags = torch.tensor(values, dtype=torch.float64, device=communication_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags.tolist()
 
@@ -35,7 +37,7 @@ def agree(trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Pre
     for p in prepared:
         flags += [float(p.consumes), float(not p.consumes)]
     if trainer.world_size > 1:
-        flags = _max_over_ranks(flags, pl_module.device)
+        flags = _max_over_ranks(flags)
     own = next((p.error for p in prepared if p.error is not None), None)
     if own is not None:
         raise own
@@ -53,6 +55,11 @@ def agree(trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Pre
             )
 
 
+def agreed_seed(seed: int) -> int:
+    """One seed for every rank, the largest of theirs (a collective; ``seed`` below 2**53)."""
+    return int(_max_over_ranks([float(seed)])[0])
+
+
 def consumes_of(module: Any) -> Any:
     """The module's word on whether its loss trains ``x'`` in an epoch (a module without
     :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented` always does)."""
@@ -64,6 +71,6 @@ def same_on_every_rank(trainer: pl.Trainer, pl_module: pl.LightningModule, value
     """Whether every rank passed the same integers (one reduction at fit start)."""
     if trainer.world_size <= 1:
         return True
-    reduced = _max_over_ranks([float(v) for v in values] + [-float(v) for v in values], pl_module.device)
+    reduced = _max_over_ranks([float(v) for v in values] + [-float(v) for v in values])
     n = len(values)
     return all(reduced[k] == values[k] and -reduced[n + k] == values[k] for k in range(n))

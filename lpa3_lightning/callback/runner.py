@@ -21,7 +21,7 @@ from torch import Tensor
 from lpa3_lightning.callback.augment_stage import Augmenter, NewRows
 from lpa3_lightning.callback.logging_stage import EPOCH_MEANS, EpochLog, log_grid
 from lpa3_lightning.callback.request_checks import bad_value_counts, check_request, raise_bad_values
-from lpa3_lightning.callback.selection_stage import Selection, select
+from lpa3_lightning.callback.selection_stage import Selection, finite_rows, select
 from lpa3_lightning.callback.settings import RunSettings
 from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
 from lpa3_lightning.core.batch_statistics import resolve_bn_mode
@@ -45,6 +45,7 @@ class Prepared:
         selection: the rows selected (None when nothing was solved).
         augmented: the hard positives handed to the module.
         new_rows: with a cache, the rows solved now (for every rank's copy of the cache).
+        nonfinite: rows whose inputs hold NaN or Inf (counted on every step, augmenting or not).
     """
 
     consumes: bool = False
@@ -53,6 +54,7 @@ class Prepared:
     selection: Selection | None = None
     augmented: AugmentedBatch | None = None
     new_rows: NewRows | None = None
+    nonfinite: int = 0
 
 
 class NetworkRunner:
@@ -85,6 +87,7 @@ class NetworkRunner:
         self._coverage_checked = False
         self._measuring = False  # whether this batch's diagnostics are measured (decided at its start)
         self._warned = {"grid": [False], "nonfinite_inputs": False, "nonfinite_predictions": False}
+        self._deferred: Exception | None = None  # a hand-over failure, raised at the step's memory exchange
 
     @property
     def solver_graphs(self) -> Any:
@@ -171,14 +174,23 @@ class NetworkRunner:
             check_request(request, memory.num_classes, memory.num_samples, values=not s.sync_free)
             prepared.consumes = epoch >= s.warmup_epochs and bool(consumes(epoch))
             if not prepared.consumes:
-                if s.sync_free:  # nothing is selected, but the values are checked: the step's host read
-                    counts = bad_value_counts(request, memory.num_samples, memory.num_classes, memory.refused_rows)
-                    raise_bad_values(request, memory.num_samples, memory.num_classes, torch.stack(counts).tolist())
+                # nothing is selected, but the inputs are counted (and, sync-free, the values checked):
+                # the step's one host read
+                finite = finite_rows(request)
+                counts = [(~finite).sum()]
+                if s.sync_free:
+                    counts += [c.to(finite.device) for c in bad_value_counts(request, memory.num_samples,
+                                                                              memory.num_classes, memory.refused_rows)]
+                prepared.nonfinite, *bad = (int(c) for c in torch.stack(counts).tolist())
+                if s.sync_free:
+                    raise_bad_values(request, memory.num_samples, memory.num_classes, bad)
+                self._warn_nonfinite_inputs(request, finite, prepared.nonfinite)
                 return prepared
             if self.augment_start is None:
                 self.augment_start = epoch
             selection = prepared.selection = select(memory, request, epoch, s.sync_free, memory.refused_rows)
-            self._warn_nonfinite_inputs(request, selection)
+            prepared.nonfinite = selection.nonfinite
+            self._warn_nonfinite_inputs(request, selection.finite, selection.nonfinite)
             prepared.augmented, prepared.new_rows = self.augmenter.augment(  # type: ignore[union-attr]
                 module, request, selection, self.store, epoch, self._solver_runs(epoch), self._measuring)
         except Exception as exc:  # reaches every rank through the step's one reduction
@@ -187,6 +199,7 @@ class NetworkRunner:
 
     def hand_over(self, trainer: pl.Trainer, module: Any, prepared: Prepared, on_augmented: Any) -> None:
         """After the step's reduction (every rank agreed): the cache's exchange, the hand-over and the logs."""
+        self.log.nonfinite_inputs += prepared.nonfinite  # type: ignore[union-attr]
         if not prepared.consumes:
             return
         request, augmented = prepared.request, prepared.augmented
@@ -195,22 +208,28 @@ class NetworkRunner:
             if new_rows is None:
                 new_rows = (request.indices[:0], request.inputs[:0].detach(), request.targets[:0])  # type: ignore
             self.store.put(*gather_rows(*new_rows), epoch=trainer.current_epoch)
-        module.lpa3_set_augmented(augmented)
-        on_augmented(trainer, module, augmented)
-        log = self.log
-        log.count_moves(augmented)  # type: ignore[union-attr,arg-type]
-        log.nonfinite_inputs += prepared.selection.nonfinite  # type: ignore[union-attr]
-        if self._measuring:
-            log.batch(module, request.inputs.shape[0], augmented, prepared.selection.tcs_selected,  # type: ignore
-                      self.augmenter)
+        try:
+            module.lpa3_set_augmented(augmented)
+            on_augmented(trainer, module, augmented)
+            log = self.log
+            log.count_moves(augmented)  # type: ignore[union-attr,arg-type]
+            if self._measuring:
+                log.batch(module, request.inputs.shape[0], augmented, prepared.selection.tcs_selected,  # type: ignore
+                          self.augmenter)
+        except Exception as exc:
+            if trainer.world_size <= 1:
+                raise
+            # Under DDP the other ranks go on into the step (DDP's backward is a collective): this rank
+            # does too, and withdraws from the memory's exchange after it, which stops every rank
+            self._deferred = exc
 
-    def _warn_nonfinite_inputs(self, request: LPA3Request, selection: Selection) -> None:
-        if selection.nonfinite and not self._warned["nonfinite_inputs"]:
+    def _warn_nonfinite_inputs(self, request: LPA3Request, finite: Tensor, nonfinite: int) -> None:
+        if nonfinite and not self._warned["nonfinite_inputs"]:
             self._warned["nonfinite_inputs"] = True
-            bad = request.indices[~selection.finite.to(request.indices.device)][:10].tolist()  # (only when counted)
+            bad = request.indices[~finite.to(request.indices.device)][:10].tolist()  # (only when counted)
             rank_zero_warn(
-                f"LPA3Callback: {selection.nonfinite} training inputs hold NaN or Inf (dataset indices {bad}"
-                f"{', ...' if selection.nonfinite > len(bad) else ''}). They get no x' and their predictions stay out "
+                f"LPA3Callback: {nonfinite} training inputs hold NaN or Inf (dataset indices {bad}"
+                f"{', ...' if nonfinite > len(bad) else ''}). They get no x' and their predictions stay out "
                 "of the TCS memory, but a loss that trains on them turns the weights to NaN. Fix: clean or drop those "
                 "samples in the dataset (this warning is given once a fit; lpa3/nonfinite_inputs counts them)."
             )
@@ -221,7 +240,10 @@ class NetworkRunner:
         so a written step value is always this step's), and on every epoch's first batch (so each
         epoch has its means)."""
         every = self._settings().logging.every_n_steps or max(1, int(trainer.log_every_n_steps))
-        return (trainer.global_step + 1) % every == 0 or batch_idx == 0
+        # Lightning's own rule (its logger connector): the batches that stepped, not optimizer steps,
+        # which a module stepping two optimizers a batch counts twice
+        stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        return (int(stepped) + 1) % every == 0 or batch_idx == 0
 
     def _solver_runs(self, epoch: int) -> bool:
         """Whether the solver runs this epoch for rows without a fresh cached ``x'``."""
@@ -242,15 +264,19 @@ class NetworkRunner:
         process's predictions of this step to the memory (a collective under DDP; a rank whose
         module recorded nothing usable withdraws from it, and every rank stops)."""
         s, memory = self._settings(), self.memory()
-        predictions = module.lpa3_pop_predictions()
-        pending = getattr(module, "lpa3_augmented_pending", None)
-        untaken = bool(pending()) if callable(pending) else False  # the module chose not to train on x'
-        module.lpa3_set_augmented(None)
-        if trainer.current_epoch >= s.warmup_epochs and self._measuring:
-            self.log.trained_preservation(module, self.augmenter.pending, s.sigma,  # type: ignore[union-attr]
-                                          s.solver.temperature, untaken)
-        self.augmenter.pending = None  # type: ignore[union-attr]
-        error = _recorded_error(module, predictions, memory.num_classes)
+        error, self._deferred = self._deferred, None
+        try:  # every failure before the exchange withdraws this rank from it: no rank waits there
+            predictions = module.lpa3_pop_predictions()
+            pending = getattr(module, "lpa3_augmented_pending", None)
+            untaken = bool(pending()) if callable(pending) else False  # the module chose not to train on x'
+            module.lpa3_set_augmented(None)
+            if trainer.current_epoch >= s.warmup_epochs and self._measuring:
+                self.log.trained_preservation(module, self.augmenter.pending, s.sigma,  # type: ignore[union-attr]
+                                              s.solver.temperature, untaken)
+            self.augmenter.pending = None  # type: ignore[union-attr]
+            error = error or _recorded_error(module, predictions, memory.num_classes)
+        except Exception as exc:
+            error = error or exc
         if error is not None:
             memory.update(torch.zeros(0, dtype=torch.long), torch.zeros(0, memory.num_classes), abort=True)
             raise error
@@ -318,7 +344,11 @@ class NetworkRunner:
                 "augment_start": self.augment_start, "settings": self.solver_settings()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Keep a checkpoint's state; it is applied to the data set and module when the fit starts."""
+        """Keep a checkpoint's state; it is applied to the data set and module when the fit starts.
+        A state written before any fit started (no memory yet) leaves the fit to start afresh."""
+        if state["tcs"] is None:
+            self.pending_state = None
+            return
         self.pending_state = {"tcs": state["tcs"], "cache": state["cache"], "augment_start": state["augment_start"]}
 
     def solver_settings(self) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from lpa3_lightning.callback.request_checks import bad_value_counts, raise_bad_v
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.tcs import TimeConsistency
 
-__all__ = ["Selection", "select"]
+__all__ = ["Selection", "finite_rows", "select"]
 
 
 @dataclass
@@ -36,6 +36,13 @@ class Selection:
     finite: Tensor
 
 
+def finite_rows(request: LPA3Request, like: Tensor | None = None) -> Tensor:
+    """``(B,)`` which rows' inputs hold no NaN or Inf (``like`` for an empty batch's shape)."""
+    if request.inputs.numel():
+        return torch.isfinite(request.inputs.flatten(1)).all(dim=1)
+    return torch.ones(request.inputs.shape[0], dtype=torch.bool, device=request.inputs.device) if like is None else like
+
+
 def select(memory: TimeConsistency, request: LPA3Request, epoch: int, sync_free: bool,
            bad_recorded: Tensor) -> Selection:
     """TCS selection of the request's rows, the rows with non-finite inputs left out, and a
@@ -49,7 +56,7 @@ def select(memory: TimeConsistency, request: LPA3Request, epoch: int, sync_free:
     # sync-free: clamped, so an out-of-range index reaches the named error, not the lookup's
     indices = request.indices.clamp(0, memory.num_samples - 1) if sync_free else request.indices
     tcs_mask = memory.select(indices, epoch, check_values=not sync_free).to(device)
-    finite = torch.isfinite(request.inputs.flatten(1)).all(dim=1) if request.inputs.numel() else tcs_mask
+    finite = finite_rows(request, like=tcs_mask)
     mask = tcs_mask & finite  # NaN / Inf inputs are never attacked (counted in lpa3/nonfinite_inputs)
     trained = mask if request.train_mask is None else mask & request.train_mask.to(device)
     counts = [mask.sum(), tcs_mask.sum(), (~finite).sum(), trained.sum()]

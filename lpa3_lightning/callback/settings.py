@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number
+from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number, dataclass_from
 from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
 from lpa3_lightning.core.input_box import MaxStep, check_max_step
 from lpa3_lightning.core.selection import check_criterion, check_initial_selection, check_threshold_rule
@@ -249,26 +248,13 @@ def as_group(group: str, value: Any, preset: str) -> Any:
     or a mapping of its fields over the documented defaults, never the preset's).
 
     Raises:
-        ValueError: for another type, or a mapping with a key the group does not have (naming the
+        TypeError: for another type, or a mapping with a key the group does not have (naming the
             group it belongs to, or the closest field).
     """
     cls = GROUPS[group]
     if value is None:
         return PRESETS[preset].get(group, cls())
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        known = [f.name for f in fields(cls)]
-        for key in value:
-            if key not in known:
-                home = _group_of(key)
-                where = (f"it is a setting of the `{home}` group" if home is not None else
-                         f"did you mean {difflib.get_close_matches(key, known, n=1)[0]!r}?"
-                         if difflib.get_close_matches(key, known, n=1) else f"its settings are {known}")
-                raise ValueError(f"`{group}` has no setting `{key}`: {where}. Fix: move or rename it.")
-        return cls(**dict(value))
-    raise ValueError(f"`{group}` must be a {cls.__name__}, a mapping of its fields or None, got "
-                     f"{type(value).__name__}.")
+    return dataclass_from(cls, value, group, home=_group_of)
 
 
 def preset_groups(preset: str, **groups: Any) -> dict[str, Any]:
@@ -290,6 +276,10 @@ def unknown_argument(name: str, arguments: list[str]) -> str:
         cls = GROUPS[group].__name__
         return (f"LPA3Callback's `{name}` is a setting of the `{group}` group: pass `{group}={cls}({name}=...)` (or "
                 f"`{group}={{'{name}': ...}}`); in a YAML config, `{group}:` with `{name}:` under it.")
+    prefix, _, rest = name.partition("_")  # a group's field with the group as a prefix: cache_dir
+    if prefix in GROUPS and rest in {f.name for f in fields(GROUPS[prefix])}:
+        return (f"LPA3Callback got an unexpected argument `{name}`: it is `{prefix}.{rest}`. Fix: pass "
+                f"`{prefix}={{'{rest}': ...}}`; in a YAML config, `{prefix}:` with `{rest}:` under it.")
     candidates = {argument: argument for argument in arguments}
     for group_name, cls in GROUPS.items():
         candidates.update({f.name: f"{group_name}.{f.name}" for f in fields(cls) if f.name not in candidates})

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from lpa3_lightning.callback.lpa3_callback import is_lpa3_state
 from lpa3_lightning.core.attack import lpa3_attack
 from lpa3_lightning.core.batch_statistics import resolve_bn_mode
 from lpa3_lightning.core.dual_bn import has_dual_bn
@@ -57,7 +58,8 @@ def _module_class(checkpoint: dict[str, Any]) -> type:
 
 def _solver_settings(checkpoint: dict[str, Any], network: str | None) -> tuple[dict[str, Any], bool]:
     """The training callback's solver settings (and whether the checkpoint held them)."""
-    states = [state for key, state in checkpoint.get("callbacks", {}).items() if key.startswith("LPA3Callback")]
+    # by the state's layout: the key names the callback's class (a subclass too) and its settings
+    states = [state for state in checkpoint.get("callbacks", {}).values() if is_lpa3_state(state)]
     networks = states[0].get("networks", {}) if states else {}
     state = networks.get(network or "", networks.get("net1", {}))
     saved = state.get("settings")

@@ -1,4 +1,5 @@
-"""One check per kind of setting (a choice, a flag, an int, a number), named by the caller.
+"""One check per kind of setting (a choice, a flag, an int, a number), named by the caller, and
+the one way a settings dataclass is built from what a user passed (:func:`dataclass_from`).
 
 The core constructors and the callback's settings groups validate the same settings with these,
 so a value is refused with one message wherever it is given: ``lam`` to
@@ -8,11 +9,49 @@ so a value is refused with one message wherever it is given: ``lam`` to
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
+from typing import Any, TypeVar
 
-__all__ = ["check_choice", "check_flag", "check_int", "check_number"]
+__all__ = ["check_choice", "check_flag", "check_int", "check_number", "dataclass_from"]
+
+D = TypeVar("D")
+
+
+def dataclass_from(cls: type[D], value: Any, argument: str, home: Callable[[str], str | None] | None = None) -> D:
+    """``value`` as a ``cls``: an instance as it is, a mapping as its fields (the defaults for the
+    others). A key ``cls`` has no field for is refused naming the group ``home(key)`` says holds it,
+    or the closest field.
+
+    Raises:
+        TypeError: for an unknown key or another type, naming ``argument`` and the fix.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(frozen=True)
+        ... class Box:
+        ...     low: float = 0.0
+        ...     high: float = 1.0
+        >>> dataclass_from(Box, {"high": 2.0}, "box")
+        Box(low=0.0, high=2.0)
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        for key in value:
+            if key not in known:
+                elsewhere = home(str(key)) if home is not None else None
+                close = difflib.get_close_matches(str(key), known, n=1)
+                where = (f": it is a setting of the `{elsewhere}` group" if elsewhere is not None
+                         else f": did you mean `{close[0]}`?" if close else "")
+                raise TypeError(f"`{argument}` has no setting `{key}`{where}. Fix: use the fields of {cls.__name__}: "
+                                f"{known}.")
+        return cls(**dict(value))
+    raise TypeError(f"`{argument}` must be a {cls.__name__}, a mapping of its fields or None, got "
+                    f"{type(value).__name__}. Fix: pass {argument}={cls.__name__}(...).")
 
 
 def check_choice(value: Any, choices: Sequence[Any], name: str, fix: str) -> None:

@@ -68,10 +68,10 @@ class AugmentationCache:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples` must be a positive int, got {num_samples!r}.")
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"`cache.regenerate_every_n_epochs` must be an int >= 1, got {every_n_epochs!r}. "
+            raise ValueError(f"`every_n_epochs` must be an int >= 1, got {every_n_epochs!r}. "
                              "Fix: use 1 (no reuse) or e.g. 10 (the paper's appendix).")
         if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"`cache.max_bytes` must be an int >= 0, got {max_bytes!r}.")
+            raise ValueError(f"`max_bytes` must be an int >= 0, got {max_bytes!r}. Fix: use e.g. 2**30 (1 GiB).")
         self.num_samples = num_samples
         self.every_n_epochs = every_n_epochs
         self.max_bytes = max_bytes

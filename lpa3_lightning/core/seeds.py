@@ -8,8 +8,8 @@ __all__ = ["epoch_seed"]
 
 def epoch_seed(seed: int, epoch: int) -> int:
     """The generator seed of ``epoch`` under ``seed``: ``seed * 1000003 + epoch``, wrapped into the
-    63 bits ``torch.Generator.manual_seed`` takes (a callback seed fixed from
-    ``torch.initial_seed()`` can itself use 62 bits).
+    63 bits ``torch.Generator.manual_seed`` takes (a seed fixed from ``torch.initial_seed()``,
+    67280421310721 in a script that never seeds, times 1000003 is past them).
 
     Example:
         >>> epoch_seed(0, 3), epoch_seed(2**62, 1) < 2**63

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor
 
-from lpa3_lightning.core.arguments import check_flag, check_int, check_number
+from lpa3_lightning.core.arguments import check_flag, check_int, check_number, dataclass_from
 from lpa3_lightning.core.augmented_forward import TrainForward, check_train_forward
 from lpa3_lightning.core.checks import check_class_prior
 
@@ -338,19 +338,7 @@ def settings_from(cls: type[S], value: S | Mapping[str, Any] | None, argument: s
         TypeError: for a mapping with a key ``cls`` has no field for, or another type, naming
             ``argument``, the fields and the fix.
     """
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    known = [f.name for f in fields(cls)]
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise TypeError(f"`{argument}` has no setting {unknown}. Fix: use the fields of {cls.__name__}: "
-                            f"{known}.")
-        return cls(**value)
-    raise TypeError(f"`{argument}` must be a {cls.__name__}, a mapping of its fields or None, got "
-                    f"{type(value).__name__}. Fix: pass {argument}={cls.__name__}(...).")
+    return cls() if value is None else dataclass_from(cls, value, argument)
 
 
 def settings_hparams(settings: LPA3Settings) -> dict[str, Any]:

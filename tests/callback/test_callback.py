@@ -121,15 +121,14 @@ def test_selected_fraction_follows_ratio_after_first_pass(tmp_path):
 
 
 def test_seed_none_without_seed_everything_takes_a_64_bit_initial_seed(tmp_path):
-    """A run that never calls seed_everything starts from a random 64-bit ``torch.initial_seed()``;
-    ``seed=None`` fixes the callback's seed from it, and the first pass's random share must be
-    drawn from that (a seed * 1000003 formula overflowed the generator's 64 bits)."""
-    torch.manual_seed(2**62 - 7)  # torch picks a random 64-bit initial seed without seed_everything
+    """A script that never seeds has ``torch.initial_seed()`` 67280421310721; ``seed=None`` fixes the
+    callback's seed from it, and the first pass's random share is drawn from that (its seed times
+    1000003 overflowed the generator's 64 bits)."""
+    torch.manual_seed(67280421310721)  # torch's initial seed in a process that never seeds
     module = TinyClassifier()
     callback = LPA3Callback(ratio=0.5, steps=1)
     _trainer(tmp_path, [callback], max_epochs=1).fit(module, _loader(48, 16))
     assert sum(module.seen_augmented) == 24  # the random half of the first pass
-    assert callback.state_dict()["seed"] >= 2**32  # (kept in checkpoints)
 
 
 class RecordsSelections(LPA3Callback):
@@ -169,9 +168,11 @@ def test_warmup_epochs_skip_augmentation_but_update_tcs(tmp_path):
     assert bool(callback.runner().tcs.seen.all())
 
 
-def test_callback_never_moves_main_bn_statistics_during_the_attack(tmp_path):
+@pytest.mark.parametrize("twin_bn", [True, False], ids=["twin", "batch_mode"])
+def test_callback_never_moves_main_bn_statistics_during_the_attack(tmp_path, twin_bn):
     """The attack itself is invisible: a module whose training_step ignores x' ends bitwise
-    equal to the same run without the callback."""
+    equal to the same run without the callback, with twins and without them (``attack_bn``
+    'batch': the solver normalises with the model's own BatchNorms, buffers untouched)."""
 
     class IgnoresAugmentation(TinyClassifier):
         def training_step(self, batch, batch_idx):
@@ -183,7 +184,7 @@ def test_callback_never_moves_main_bn_statistics_during_the_attack(tmp_path):
 
     def run(with_callback: bool) -> dict[str, torch.Tensor]:
         pl.seed_everything(0)
-        module = IgnoresAugmentation()
+        module = IgnoresAugmentation(twin_bn=twin_bn)
         callbacks = [LPA3Callback(ratio=1.0, steps=2, seed=0)] if with_callback else []
         pl.seed_everything(0)
         _trainer(tmp_path, callbacks, max_epochs=1, deterministic=True).fit(module, _loader(shuffle=False))
@@ -356,7 +357,6 @@ def test_a_16_bit_sharded_memory_resumes_into_a_replicated_float32_one(tmp_path)
         ({"cache": {"regenerate_every_n_epochs": 0}}, "cache.regenerate_every_n_epochs"),
         ({"logging": {"num_images": 0}}, "logging.num_images"),
         ({"runtime": {"sync_free": True, "cuda_graphs": 1}}, "runtime.cuda_graphs"),
-        ({"cache": {"regenerate": 2}}, "`cache` has no setting `regenerate`"),
         ({"preset": "paper"}, "preset"),
     ],
 )
@@ -482,6 +482,11 @@ def test_constructor_checks_types(kwargs, match):
         LPA3Callback(**kwargs)
 
 
+def test_an_unknown_group_setting_is_a_type_error_naming_the_group():
+    with pytest.raises(TypeError, match="`cache` has no setting `regenerate`"):
+        LPA3Callback(cache={"regenerate": 2})
+
+
 def test_bf16_mixed_precision_fit(tmp_path):
     pl.seed_everything(0)
     module = TinyClassifier()
@@ -523,6 +528,56 @@ def test_nonfinite_inputs_are_skipped_and_counted(tmp_path, sync_free):
     trainer.fit(module, _with_bad_rows())
     assert float(trainer.callback_metrics["lpa3/nonfinite_inputs"]) == 2.0
     assert sum(module.seen_augmented) == 48 - 2  # ratio 1 before any threshold: all finite rows
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_nonfinite_inputs_are_counted_and_warned_in_a_warm_up_epoch_too(tmp_path, sync_free):
+    """A step that solves nothing (the callback's warm-up, a module's own) still counts and names them."""
+    callback = LPA3Callback(ratio=1.0, steps=1, seed=0, warmup_epochs=1, runtime={"sync_free": sync_free})
+    trainer = _trainer(tmp_path, [callback], max_epochs=1)
+    with pytest.warns(UserWarning, match=r"2 training inputs hold NaN or Inf \(dataset indices \[3, 10\]"):
+        trainer.fit(NanTolerant(), _with_bad_rows())
+    assert float(trainer.callback_metrics["lpa3/nonfinite_inputs"]) == 2.0
+
+
+class TwoOptimizers(TinyClassifier):
+    """Manual optimization stepping two optimizers a batch: two optimizer steps per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+
+    def configure_optimizers(self):
+        head = list(self.model.parameters())[-2:]
+        body = list(self.model.parameters())[:-2]
+        return torch.optim.SGD(body, lr=0.05), torch.optim.SGD(head, lr=0.05)
+
+
+class RecordsMeasured(LPA3Callback):
+    measured: list[bool]
+
+    def on_augmented(self, trainer, pl_module, augmented):
+        self.__dict__.setdefault("measured", []).append(self.runner()._measuring)
+
+
+def test_diagnostics_are_measured_on_the_batches_lightning_logs_with_two_optimizer_steps_a_batch(tmp_path):
+    """Lightning logs every log_every_n_steps-th batch; a module stepping two optimizers a batch
+    makes global_step even, so a rule on optimizer steps would never measure past batch 0."""
+    callback = RecordsMeasured(ratio=1.0, steps=1, seed=0)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
+                         callbacks=[callback])
+    trainer.fit(TwoOptimizers(), _loader(64, 16))
+    assert trainer.global_step == 8  # (two optimizer steps a batch)
+    assert callback.measured == [True, True, False, True]  # batch 0, and Lightning's logging batches 1 and 3
 
 
 @pytest.mark.parametrize("warmup_epochs", [0, 1])
@@ -1144,3 +1199,14 @@ def test_a_later_fit_that_keeps_the_memory_another_way_refuses_before_any_collec
     earlier.update(torch.arange(10), torch.full((10, 2), 0.5), epoch=3)
     kept = _kept(earlier, TimeConsistency(10, 2, 0.5))
     assert torch.equal(kept.scores, earlier.scores) and bool((kept.last_update_epoch == -1).all())
+
+
+def test_a_state_saved_before_any_fit_loads_and_the_fit_starts_afresh(tmp_path):
+    """``state_dict()`` of a callback that never ran holds no memory; loading it into another
+    callback must not break the next fit (it starts as a fresh one would)."""
+    unused = LPA3Callback(ratio=0.5, steps=1, seed=0).state_dict()
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0)
+    callback.load_state_dict(unused)
+    module = TinyClassifier()
+    _trainer(tmp_path, [callback], max_epochs=1).fit(module, _loader())
+    assert callback.runner().tcs.seen.all()

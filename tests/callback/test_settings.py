@@ -46,10 +46,24 @@ def test_a_group_setting_given_at_the_top_names_its_group(name, group):
         LPA3Callback(**{name: 1})
 
 
+@pytest.mark.parametrize("name, place", [("cache_dir", "cache.dir"), ("solver_fast", "solver.fast"),
+                                         ("logging_num_images", "logging.num_images")])
+def test_a_group_field_with_its_group_as_a_prefix_names_its_place(name, place):
+    group, field = place.split(".")
+    with pytest.raises(TypeError, match=rf"`{name}`: it is `{place}`.*`{group}={{'{field}': \.\.\.}}`"):
+        LPA3Callback(**{name: 1})
+
+
+@pytest.mark.parametrize("input_range", ["none", "0-1", b"01"])
+def test_a_string_input_range_other_than_auto_is_refused_at_construction(input_range):
+    with pytest.raises(ValueError, match="`input_range` must be 'auto', None"):
+        LPA3Callback(input_range=input_range)
+
+
 def test_a_setting_in_the_wrong_group_names_the_group_it_belongs_to():
-    with pytest.raises(ValueError, match=r"`cache` has no setting `max_step`: it is a setting of the `solver` group"):
+    with pytest.raises(TypeError, match=r"`cache` has no setting `max_step`: it is a setting of the `solver` group"):
         LPA3Callback(cache={"max_step": 1.0})
-    with pytest.raises(ValueError, match=r"`cache` has no setting `regenerate`.*regenerate_every_n_epochs"):
+    with pytest.raises(TypeError, match=r"`cache` has no setting `regenerate`.*regenerate_every_n_epochs"):
         LPA3Callback(cache={"regenerate": 2})
 
 

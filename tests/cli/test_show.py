@@ -65,10 +65,40 @@ def test_callback_logs_the_grid_to_tensorboard(tmp_path):
     assert len(events.Images(tags[0])) == 2  # once per epoch
 
 
-def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys):
+@pytest.mark.parametrize("twin_bn, expected", [(True, "twin"), (False, "batch")])
+def test_the_grid_is_solved_under_the_trainings_normalisation(tmp_path, monkeypatch, twin_bn, expected):
+    """The picture shows x' as training makes them: a model without twins is attacked on its batch's
+    statistics in training ("batch"), and its eval-mode x' would barely move."""
+    from lpa3_lightning.callback.augment_stage import Augmenter
+
+    modes: list[tuple[str, bool]] = []
+    solve = Augmenter.solve
+
+    def recording(self, module, model, x, y, generator, bn_mode, frozen=None, graphs=True):
+        modes.append((bn_mode, graphs))
+        return solve(self, module, model, x, y, generator, bn_mode, frozen, graphs)
+
+    monkeypatch.setattr(Augmenter, "solve", recording)
+    pl.seed_everything(0)
+    callback = LPA3Callback(steps=1, logging={"images_every_n_epochs": 1, "num_images": 4})
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", callbacks=[callback],
+                         logger=pl.loggers.TensorBoardLogger(tmp_path, name=""), enable_progress_bar=False,
+                         enable_checkpointing=False)
+    trainer.fit(TinyClassifier(twin_bn=twin_bn), DataLoader(indexed_images(16), batch_size=8))
+    grid_modes = {mode for mode, graphs in modes if not graphs}
+    training_modes = {mode for mode, graphs in modes if graphs}
+    assert grid_modes == training_modes == {expected}
+
+
+class OwnCallback(LPA3Callback):
+    """A user's subclass: its checkpoint key names this class."""
+
+
+@pytest.mark.parametrize("callback_class", [LPA3Callback, OwnCallback])
+def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys, callback_class):
     pl.seed_everything(0)
     module = LPA3Classifier(num_classes=2, in_channels=1)
-    callback = LPA3Callback(ratio=0.5, sigma=0.05, steps=2, seed=0, solver={"max_step": 0.7})
+    callback = callback_class(ratio=0.5, sigma=0.05, steps=2, seed=0, solver={"max_step": 0.7})
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))

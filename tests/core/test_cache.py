@@ -82,8 +82,8 @@ def test_an_entry_is_reused_only_for_the_label_it_was_solved_for():
     assert cache.fresh(torch.tensor([0, 1]), epoch=1, labels=torch.tensor([2, 0])).tolist() == [True, False]
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"every_n_epochs": 0}, "regenerate_every_n_epochs"),
-                                                ({"every_n_epochs": 2, "max_bytes": -1}, "cache.max_bytes")])
+@pytest.mark.parametrize(("kwargs", "match"), [({"every_n_epochs": 0}, "^`every_n_epochs` must"),
+                                                ({"every_n_epochs": 2, "max_bytes": -1}, "^`max_bytes` must")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AugmentationCache(4, **kwargs)

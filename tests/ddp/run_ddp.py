@@ -21,6 +21,7 @@ the memory is split over the two ranks (rank 0's state assembles all of it, rank
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -135,8 +136,10 @@ def _count_collectives() -> None:
 
 
 class Recording(LPA3Callback):
-    def __init__(self, *args, empty_rank: int | None = None, bad_rank: int | None = None, **kwargs) -> None:
+    def __init__(self, *args, empty_rank: int | None = None, bad_rank: int | None = None,
+                 hook_fault_rank: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.hook_fault_rank = hook_fault_rank
         self.empty_rank = empty_rank
         self.bad_rank = bad_rank
         self.record: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -171,6 +174,8 @@ class Recording(LPA3Callback):
         self.applied_per_epoch[trainer.current_epoch] = self.applied_per_epoch.get(trainer.current_epoch, 0) + changed
 
     def on_augmented(self, trainer, pl_module, augmented):
+        if self.hook_fault_rank == trainer.global_rank and len(self.x_prime) == 1:
+            raise RuntimeError("on_augmented failed on one rank (simulated)")
         self.x_prime.append((trainer.current_epoch, augmented.indices.cpu().clone(), augmented.inputs.cpu().clone()))
 
     def _select(self, memory, request, epoch, sync_free, bad_recorded):
@@ -376,8 +381,12 @@ def main(out: Path, mode: str) -> None:
         module = UserModule(fault=None if mode == "user_module" else mode)
     else:
         module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
-    callback = Recording(ratio=0.5, steps=2, seed=0, empty_rank=1 if mode == "empty_rank1" else None,
+    if mode == "seed_differs":  # each rank's torch seed its own; the callback's seed=None must still be one
+        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
+    callback = Recording(ratio=0.5, steps=2, seed=None if mode == "seed_differs" else 0,
+                         empty_rank=1 if mode == "empty_rank1" else None,
                          bad_rank=1 if mode == "bad_rank1" else None,
+                         hook_fault_rank=1 if mode == "on_augmented_rank1" else None,
                          warmup_epochs=1 if user else 0,
                          cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1},
                          runtime={"sync_free": sync_free}, selection=layout)
@@ -389,7 +398,7 @@ def main(out: Path, mode: str) -> None:
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "final.ckpt")
     torch.save({"tcs": callback.runner().tcs.state_dict(), "steps": callback.record, "applied": callback.applied_per_epoch,
-                "collectives": callback.collectives,
+                "collectives": callback.collectives, "seed": callback._base_seed,
                 "cache": None if callback.runner().store is None else callback.runner().store.state_dict(include_inputs=True),
                 "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                 "seen_augmented": getattr(module, "seen_augmented", None),

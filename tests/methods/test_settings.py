@@ -84,7 +84,7 @@ def test_lists_are_kept_as_tuples_and_the_hparams_mapping_rebuilds_the_settings(
     assert hparams["networks"] == ["a", "b"] and hparams["class_prior"] == [0.25, 0.75]  # plain YAML values
     assert settings_from(DivideMixSettings, hparams, "dividemix") == settings
     assert settings_from(PESSettings, None, "pes") == PESSettings()
-    with pytest.raises(TypeError, match=r"`pes` has no setting \['early_epoch'\]. Fix: use the fields of PESSettings"):
+    with pytest.raises(TypeError, match=r"`pes` has no setting `early_epoch`: did you mean `early_epochs`\?. Fix: use the fields of PESSettings"):
         settings_from(PESSettings, {"early_epoch": 3}, "pes")
     with pytest.raises(TypeError, match="`pes` must be a PESSettings, a mapping of its fields or None, got "
                                         "FixMatchSettings"):

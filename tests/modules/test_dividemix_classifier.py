@@ -218,7 +218,7 @@ def test_the_settings_argument_takes_the_dataclass_or_its_fields_and_refuses_a_t
     assert module.lpa3_settings == DivideMixSettings(warmup_epochs=3, class_prior=(0.1,) * 10)
     assert module.hparams["dividemix"]["warmup_epochs"] == 3  # the effective fields, a plain mapping
     assert DivideMixClassifier().lpa3_settings == DivideMixSettings()  # None: the defaults
-    with pytest.raises(TypeError, match=r"`dividemix` has no setting \['lamda_u'\]"):
+    with pytest.raises(TypeError, match=r"`dividemix` has no setting `lamda_u`: did you mean `lambda_u`"):
         DivideMixClassifier(dividemix={"lamda_u": 1.0})
 
 
