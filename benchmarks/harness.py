@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 import socket
@@ -336,7 +337,11 @@ def max_over_ranks(value: float) -> float:
 
 
 def mean_std(values: Sequence[float]) -> str:
-    """``"mean +- sample std"`` with three decimals (std 0 for one value)."""
+    """``"mean +- sample std"`` with three decimals (std 0 for one value); a run that measured
+    NaN (a diverged model) shows as ``nan (k of n)`` rather than hiding in a mean."""
+    bad = sum(not math.isfinite(v) for v in values)
+    if bad:
+        return f"nan ({bad} of {len(values)})"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.3f} +- {sd:.3f}"
 

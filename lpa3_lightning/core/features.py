@@ -66,7 +66,14 @@ def normalize_activation(activation: Tensor, eps: float = FEATURE_EPS, channels_
     if activation.dim() < 2:
         raise ValueError(f"A feature activation needs a batch and a channel dim, got {tuple(activation.shape)}.")
     channel_dim = -1 if channels_last else 1
-    norm = activation.pow(2).sum(dim=channel_dim, keepdim=True).sqrt() + eps
+    # the square root's derivative is infinite at 0: a position whose channels are all 0 (a
+    # bias-free convolution of a ReLU's zeros) sent NaN into any product's backward (mobilenet_v3's
+    # squeeze-and-excitation), and through it to every pixel of x'. Clamping the sum of squares
+    # at the dtype's smallest normal number leaves every other norm as it was (below it, the
+    # norm is eps-dominated either way, the activation 0 or subnormal) and gives those
+    # positions a zero gradient through the norm.
+    squares = activation.pow(2).sum(dim=channel_dim, keepdim=True)
+    norm = squares.clamp_min(torch.finfo(squares.dtype).tiny).sqrt() + eps
     # H*W or L (1 for vector activations)
     positions = math.prod(activation.shape[1:-1]) if channels_last else math.prod(activation.shape[2:])
     return (activation / (norm * positions**0.5)).flatten(1)

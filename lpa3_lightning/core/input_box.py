@@ -24,7 +24,7 @@ def resolve_input_range(input_range: InputRange, x: Tensor, check_values: bool =
     Per-channel sequences apply along dim 1. A mapping ``{"mean", "std"}`` describes a
     normalisation ``(v - mean) / std`` of values that were in ``[0, 1]`` (override with a
     ``"pixel_range": (lo, hi)`` key). ``check_values=False`` skips the checks that read the
-    values on the host (positive std, low < high): for a range checked once before.
+    values on the host (positive std, low <= high): for a range checked once before.
 
     Raises:
         ValueError: on a malformed range, naming the argument and the fix.
@@ -63,9 +63,15 @@ def resolve_input_range(input_range: InputRange, x: Tensor, check_values: bool =
         raise ValueError(
             f"`input_range` must be None, (low, high) or {{'mean': ..., 'std': ...}}, got {input_range!r}."
         )
-    if check_values and bool((low >= high).any()):
-        raise ValueError(f"`input_range` needs low < high everywhere, got low={low.flatten().tolist()}, "
-                         f"high={high.flatten().tolist()}.")
+    # low == high pins an element (a feature constant over the data, e.g. a border pixel of
+    # sklearn's digits); a box with no room anywhere, or inverted, is a mistake
+    if check_values and bool((low > high).any()):
+        raise ValueError(f"`input_range` needs low <= high everywhere, got low={low.flatten().tolist()}, "
+                         f"high={high.flatten().tolist()}. Fix: pass (low, high) in that order.")
+    if check_values and not bool((low < high).any()):
+        raise ValueError(f"`input_range` needs low < high somewhere (x' could not move), got "
+                         f"low={low.flatten().tolist()}, high={high.flatten().tolist()}. Fix: pass the range of "
+                         "the inputs as the model receives them, or None for unbounded inputs.")
     return low, high
 
 

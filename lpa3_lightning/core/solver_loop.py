@@ -132,6 +132,12 @@ class SolveRows:
                 alpha, logp_final, dist_final = _bisect(evaluate, delta, ok, logp_final, dist_final, logp0, kept,
                                                         self.bisection_steps)
             x_adv = (x + per_sample(alpha, x).to(x.dtype) * delta).detach()
+            # a row the solver could not keep finite (a NaN gradient from the model's backward)
+            # goes back to x: training on it would turn the weights to NaN. It counts as not moved.
+            finite = torch.isfinite(x_adv.flatten(1)).all(dim=1)
+            x_adv = torch.where(per_sample(finite, x), x_adv, x)
+            dist_final = torch.where(finite, dist_final, torch.zeros_like(dist_final))
+            logp_final = torch.where(finite, logp_final, logp0)
         return x_adv, logp0, logp_final, dist_final, projected
 
 

@@ -115,7 +115,7 @@ def test_a_bad_input_range_is_refused_on_the_sync_free_path(tmp_path, regenerate
     callback = LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=(1.0, -1.0),
                             cache={"regenerate_every_n_epochs": regenerate, "dir": str(tmp_path)},
                             runtime={"sync_free": True})
-    with pytest.raises(ValueError, match="low < high"):
+    with pytest.raises(ValueError, match="low <= high"):
         _fit([callback], max_epochs=1)
 
 

@@ -138,8 +138,10 @@ def test_resolve_input_range_refusals():
     x = torch.zeros(2, 3, 4, 4)
     with pytest.raises(ValueError, match="channels"):
         resolve_input_range(([0, 0], [1, 1]), x)
-    with pytest.raises(ValueError, match="low < high"):
+    with pytest.raises(ValueError, match="low <= high"):
         resolve_input_range((1.0, 0.0), x)
+    with pytest.raises(ValueError, match="low < high somewhere"):
+        resolve_input_range((0.5, 0.5), x)
     with pytest.raises(ValueError, match="'mean' and 'std'"):
         resolve_input_range({"mean": 0.5}, x)
     with pytest.raises(ValueError, match="input_range"):
@@ -590,3 +592,35 @@ def test_the_authors_mode_follows_a_transcription_of_the_authors_loop_in_float64
     assert ours.dtype == torch.float64
     assert float((theirs - x).flatten(1).norm(dim=1).min()) > 0.1  # the loop moved every sample
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-9)
+
+
+def test_a_box_that_pins_a_constant_feature_keeps_it_and_moves_the_others():
+    """Tabular data often has a feature constant over the training set (its range a point, e.g.
+    the border pixels of sklearn's digits): the box pins it, the other features still move."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.rand(8, 6)
+    x[:, 0] = 0.0
+    low, high = torch.zeros(6), torch.ones(6)
+    high[0] = 0.0  # feature 0 never varies in the data
+    x_adv = lpa3_attack(net, x, torch.randint(0, 3, (8,)), sigma=0.5, steps=3, input_range=(low, high))
+    assert torch.equal(x_adv[:, 0], x[:, 0])
+    assert float((x_adv[:, 1:] - x[:, 1:]).abs().max()) > 1e-3
+
+
+class _NaNGradient(nn.Module):
+    """The identity in the forward, NaN in the backward (0 times the infinite slope of sqrt at 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0 * (x - x.detach()).abs().sqrt()
+
+
+def test_a_row_the_solver_cannot_keep_finite_comes_back_as_x() -> None:
+    """Whatever a foreign model's backward does, no NaN x' reaches training (it would turn the
+    weights to NaN): such a row is returned as its clean input, with distance 0."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_NaNGradient(), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    x_adv, stats = lpa3_attack(net, x, y, sigma=0.5, steps=2, layers=["2"], return_stats=True)
+    assert torch.equal(x_adv, x)
+    assert torch.equal(stats.perceptual_distance, torch.zeros(4))

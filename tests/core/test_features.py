@@ -752,3 +752,44 @@ def test_eval_mode_restores_each_modules_own_flag_even_on_error():
             assert not any(m.training for m in net.modules())
             raise RuntimeError("inside")
     assert [m.training for m in net.modules()] == [True, True, True, False]
+
+
+def test_a_position_whose_channels_are_all_zero_has_a_finite_gradient() -> None:
+    """After a ReLU every channel of a position can be 0 (common in mobilenet_v3_small's small
+    maps); the norm's square root has an infinite derivative there, and the gradient reaching
+    the input became NaN, so the solver returned NaN x' (the training then diverged)."""
+    activation = torch.randn(2, 4, 3, 3)
+    activation[0, :, 1, 1] = 0.0  # one position with every channel at 0
+    activation.requires_grad_(True)
+    normalize_activation(activation).pow(2).sum().backward()
+    assert torch.isfinite(activation.grad).all()
+    # the value is the authors' formula: norm (sqrt of the channel sum of squares) + eps
+    plain = activation.detach()
+    expected = plain / ((plain.pow(2).sum(1, keepdim=True).sqrt() + FEATURE_EPS) * 3)
+    torch.testing.assert_close(normalize_activation(plain), expected.flatten(1), rtol=0, atol=0)
+
+
+class _Excite(nn.Module):
+    """A squeeze-and-excitation gate as in mobilenet_v3: the map times a gate made from its mean."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.sigmoid(h.mean(dim=(2, 3), keepdim=True))
+
+
+def test_x_prime_stay_finite_when_a_feature_position_is_all_zero() -> None:
+    """mobilenet_v3_small's failure, small: a ReLU map zero at some positions, then a gate
+    (squeeze-and-excitation) whose output is a feature layer. The norm's square root has an
+    infinite derivative at those positions; the gate's backward multiplies it by 0 (NaN) and
+    spreads it to every pixel through the mean, so the solver returned NaN x'."""
+    from lpa3_lightning.core.attack import lpa3_attack
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 1), nn.ReLU(), _Excite(), nn.Flatten(), nn.Linear(4 * 16, 3))
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.zero_()
+    x = torch.rand(6, 1, 4, 4) + 0.5
+    x[:, :, :2] = -1.0  # half of every image: all four channels 0 after the ReLU, noise or not
+    x_adv = lpa3_attack(net, x, torch.randint(0, 3, (6,)), sigma=0.5, steps=3, layers=["2"])
+    assert torch.isfinite(x_adv).all()
+    assert float((x_adv - x).abs().max()) > 1e-3
