@@ -35,13 +35,12 @@ import platform
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import StepTimer, run_worker, sync  # noqa: E402
+from benchmarks.harness import StepTimer, median_seconds, run_worker  # noqa: E402
 
 CONFIGS = ("baseline", "lpa3", "lpa3_log_every_step", "lpa3_eager", "lpa3_graphs", "lpa3_fast", "lpa3_cached", "lpa3_cached_lazy",
            "lpa3_cached_graphs")
@@ -110,17 +109,6 @@ def _floor(module, ratio: float) -> tuple[float, float]:
     y = torch.randint(0, 2, (128,), device=device)
     selected = int(ratio * 128)
 
-    def timed(fn, reps: int = 3) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     def train_pass(inputs, targets, twin=False):
         model.train()
         model.zero_grad()
@@ -135,8 +123,8 @@ def _floor(module, ratio: float) -> tuple[float, float]:
         xs = x[:selected].clone().requires_grad_(True)
         torch.autograd.grad(model(xs).logsumexp(1).sum(), xs)
 
-    attack = 5 * timed(input_grad_pass)
-    aug = timed(lambda: train_pass(x[:selected], y[:selected], twin=True))
+    attack = 5 * median_seconds(input_grad_pass, device)
+    aug = median_seconds(lambda: train_pass(x[:selected], y[:selected], twin=True), device)
     model.zero_grad(set_to_none=True)
     return attack, aug
 
