@@ -36,9 +36,10 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["ProfiledSteps", "StepTimer", "apply_threads", "cuda_activity", "device_label", "free_port", "load_results",
-           "max_over_ranks", "mean_std", "median_seconds", "on_gpu", "run_arguments", "run_processes", "run_sweep",
-           "run_worker", "sweep_arguments", "sync", "worker_command", "write_result"]
+__all__ = ["ProfiledSteps", "StepTimer", "apply_threads", "cuda_activity", "device_label", "free_port", "git_commit",
+           "load_results", "max_over_ranks", "mean_std", "median_seconds", "on_gpu", "paired_difference",
+           "run_arguments", "run_processes", "run_sweep", "run_worker", "sweep_arguments", "sync", "worker_command",
+           "write_result"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,6 +127,38 @@ def write_result(path: Path, result: Mapping[str, Any]) -> None:
     """One run's result as JSON (the folder made when missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
+
+
+def git_commit() -> str:
+    """The repository's commit (with ``+dirty`` when its tracked files differ), recorded in each run's JSON."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "lpa3_lightning"], cwd=ROOT).returncode != 0
+    return head.stdout.strip() + ("+dirty" if dirty else "") if head.returncode == 0 else "unknown"
+
+
+def paired_difference(base: Mapping[int, float], other: Mapping[int, float], confidence: float = 0.95) -> dict:
+    """Paired statistics of ``other - base`` over the seeds both have (same seed: same split, noise
+    and initial weights): the per-seed differences, their mean and standard deviation, the two-sided
+    Student-t interval of the mean at ``confidence``, the seeds where ``other`` is above, and the
+    verdict the interval gives: ``"helps"`` (all above 0), ``"hurts"`` (all below 0) or ``"no
+    difference found"``.
+
+    Example:
+        >>> paired_difference({0: 0.80, 1: 0.82, 2: 0.81}, {0: 0.85, 1: 0.86, 2: 0.87})["verdict"]
+        'helps'
+    """
+    from scipy import stats
+
+    seeds = sorted(set(base) & set(other))
+    diffs = [other[s] - base[s] for s in seeds]
+    n = len(diffs)
+    mean = statistics.mean(diffs) if diffs else math.nan
+    std = statistics.stdev(diffs) if n > 1 else math.nan
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n) if n > 1 else math.nan
+    low, high = mean - half, mean + half
+    verdict = "helps" if low > 0 else "hurts" if high < 0 else "no difference found"
+    return {"seeds": seeds, "diffs": diffs, "mean": mean, "std": std, "ci": (low, high), "confidence": confidence,
+            "above": sum(d > 0 for d in diffs), "n": n, "verdict": verdict if n > 1 else "one seed: no interval"}
 
 
 def load_results(out: Path, keep: Callable[[dict], bool] = lambda result: True) -> list[dict]:

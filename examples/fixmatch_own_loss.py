@@ -12,12 +12,15 @@ index the callback keys its memory by. Three things matter, each learnt the hard
    ``UnlabeledDataset`` ``(x_weak, x_strong, index)``, from tensors as well as from images (the
    views are then transforms of tensors). The TCS memory runs over the unlabeled set: its size is
    ``lpa3_num_samples``.
-2. **Pseudo-labels from the train-mode weak forward, without gradient.** FixMatch's pseudo-labels
-   are the model's predictions on the weak view *as it trains* (train mode: BatchNorm on the batch's
-   statistics), detached. Computing them in eval mode instead (running statistics, which lag the
-   weights early on) gave wrong pseudo-labels and collapsed training (0.21 to 0.62 accuracy in a
-   newcomer's run). The request forwards the weak view once, with the BatchNorm running statistics
-   left alone, and keeps the logits for ``training_step``.
+2. **Labeled, weak and strong views in one forward.** FixMatch forwards the three views as one
+   batch in train mode, so BatchNorm normalises the weak view by the statistics of the batch that
+   trains, and its pseudo-labels are the detached predictions of that weak slice. Forwarding the
+   weak view alone normalises it by its own statistics, which under a strong view with Cutout
+   differ so much that every confident pseudo-label fell in one class (measured); in eval mode
+   (running statistics, which lag the weights early on) they were wrong too (0.21 to 0.62 accuracy
+   in a newcomer's run). The callback needs the pseudo-labels before the step, so the request makes
+   the same joint forward without gradient, the BatchNorm running statistics left alone: its
+   pseudo-labels are the ones the training forward computes.
 3. **An epoch is the longest loader's pass.** Under ``CombinedLoader(mode="max_size_cycle")`` an
    epoch ends when the longer stream (here the unlabeled one) is through; the shorter one cycles.
    ``lpa3_consumes_augmented(epoch)`` counts those epochs: the LP-A3 term and the solver start at
@@ -53,42 +56,39 @@ class OwnFixMatch(LPA3ModuleMixin, pl.LightningModule):
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_unlabeled  # 1. the memory runs over the unlabeled set
         self.threshold, self.loss_warmup_epochs = threshold, loss_warmup_epochs
-        self._weak: tuple[torch.Tensor, torch.Tensor] | None = None  # (weak inputs, their detached logits)
 
     def lpa3_model(self):
         return self.net
 
-    def weak_logits(self, x_weak: torch.Tensor) -> torch.Tensor:
-        """2. FixMatch's weak branch: train mode, no gradient, running statistics left alone; once a batch."""
-        if self._weak is None or self._weak[0] is not x_weak:
-            with torch.no_grad(), BatchNormStatisticsFrozen(self.net):
-                self._weak = (x_weak, self.net(x_weak))
-        return self._weak[1]
+    def joint_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """2. FixMatch's one forward of the labeled, weak and strong views: their three slices of logits."""
+        x, _, _ = batch["labeled"]
+        x_weak, x_strong, _ = batch["unlabeled"]
+        logits = self.net(torch.cat([x, x_weak, x_strong]))
+        return logits[: len(x)], logits[len(x): len(x) + len(x_weak)], logits[len(x) + len(x_weak):]
 
     def lpa3_request(self, batch) -> LPA3Request:
-        x_weak, _, index = batch["unlabeled"]
-        return LPA3Request(inputs=x_weak, targets=self.weak_logits(x_weak).argmax(1), indices=index)
+        with torch.no_grad(), BatchNormStatisticsFrozen(self.net):  # 2. the step's forward, before the step
+            weak = self.joint_logits(batch)[1]
+        return LPA3Request(inputs=batch["unlabeled"][0], targets=weak.argmax(1), indices=batch["unlabeled"][2])
 
     def lpa3_consumes_augmented(self, epoch: int) -> bool:
         return epoch >= self.loss_warmup_epochs  # 3. epochs of the CombinedLoader (the unlabeled pass)
 
     def training_step(self, batch, batch_idx):
-        x, y, _ = batch["labeled"]
-        x_weak, x_strong, index = batch["unlabeled"]
-        weak = self.weak_logits(x_weak)
-        self._weak = None
+        y, index = batch["labeled"][1], batch["unlabeled"][2]
+        logits_x, weak, logits_strong = self.joint_logits(batch)
         self.lpa3_record_predictions(index, weak)  # the TCS memory learns from the weak view
-        confidence, pseudo = weak.softmax(1).max(1)
-        logits = self.net(torch.cat([x, x_strong]))
-        loss = F.cross_entropy(logits[: len(x)], y)
+        confidence, pseudo = weak.detach().softmax(1).max(1)
+        loss = F.cross_entropy(logits_x, y)
         mask = (confidence >= self.threshold).float()
-        loss = loss + (F.cross_entropy(logits[len(x):], pseudo, reduction="none") * mask).mean()
+        loss = loss + (F.cross_entropy(logits_strong, pseudo, reduction="none") * mask).mean()
         augmented = self.lpa3_take_augmented()
         if augmented is not None and len(augmented):  # your own term: here, the x' with their pseudo-label
             loss_lpa3 = F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets)
             self.log("train/loss_lpa3", loss_lpa3, batch_size=len(augmented))
             loss = loss + loss_lpa3
-        self.log("train/loss", loss, batch_size=len(x))
+        self.log("train/loss", loss, batch_size=len(y))
         return loss
 
     def configure_optimizers(self):

@@ -6,27 +6,32 @@ Each training batch holds a labeled batch ``(x, y, index)`` and an unlabeled bat
 
     CE(F(x), y) + lambda_u * mean_u 1[max p(weak) >= 0.95] * CE(F(strong), argmax p(weak))
 
-LP-A3 attacks the weak view of the unlabeled samples with the model's pseudo-label as the label
-to preserve; the time-consistency memory runs over the unlabeled set, from the weak-view
-predictions. The mixin adds ``weight * mean over the x' of 1[confidence >= 0.9] * CE(F(x'),
-pseudo-label)`` (the authors' second threshold) once ``lpa3_loss_warmup_epochs`` have passed
-(the settings: :class:`~lpa3_lightning.methods.settings.FixMatchSettings`).
+with the three views forwarded as ONE batch in the module's mode, as FixMatch's reference does
+(kekmodel/FixMatch-pytorch ``train.py``, lines 356-363): BatchNorm normalises every view by the
+statistics of the batch that trains, and the running statistics move once a step. The weak view's
+pseudo-labels are the detached argmax of its slice of that forward. (Forwarding the weak view on its
+own normalises it by its own batch's statistics, which under FixMatch's strong view, RandAugment and a
+16 px Cutout, differ so much from the joint batch's that the weak forward is in effect another
+network: measured, every confident pseudo-label fell in one class.)
 
-One weak forward per step: :meth:`FixMatchLPA3Mixin.lpa3_request` (called by the callback in
-``on_train_batch_start``) forwards the weak view once, without gradient and in train mode (as
-FixMatch's own weak branch, whose logits it detaches), and keeps the logits for this batch;
-``training_step`` reuses them for the pseudo-labels, their confidences and the TCS record.
-Without the callback the step makes that forward itself. Departure from FixMatch's reference
-code, which forwards the labeled, weak and strong views in one batch: here the pseudo-labels
-must exist before the step (the callback attacks with them), so the weak view is forwarded on
-its own, normalised by its own batch statistics, without moving the BatchNorm running
-statistics (those move once a step, in the forward of the labeled and strong views). Because the pseudo-labels are fixed
-before the attack, the label the solver preserves is exactly the one the loss trains ``x'``
-with, in the forward the solver verified (:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`).
+LP-A3 attacks the weak view of the unlabeled samples with the pseudo-label as the label to preserve;
+the time-consistency memory runs over the unlabeled set, fed by the weak slice's predictions. The
+mixin adds ``weight * mean over the x' of 1[confidence >= 0.9] * CE(F(x'), pseudo-label)`` (the
+authors' second threshold) once ``lpa3_loss_warmup_epochs`` have passed (the settings:
+:class:`~lpa3_lightning.methods.settings.FixMatchSettings`).
+
+The callback needs the pseudo-labels before the step (it solves in ``on_train_batch_start``), so
+:meth:`FixMatchLPA3Mixin.lpa3_request` makes one extra forward of the same joint batch: no gradient,
+the module's mode and the run's precision, BatchNorm running statistics left as they were. Its
+pseudo-labels are those of the training forward that follows (same weights, same batch, same
+statistics), so the label the solver preserves is the one the loss trains ``x'`` with, in the forward
+the solver verified (:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`). Without the callback the step
+is FixMatch's reference step and nothing more (``tests/methods/test_fixmatch_reference.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +42,7 @@ from torch import Tensor
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
+from lpa3_lightning.methods.label_share import LabelShareWatch, top_class_share
 from lpa3_lightning.methods.settings import FixMatchSettings
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
@@ -89,26 +95,55 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         lpa3_num_samples: size of the unlabeled set (the TCS memory's), e.g. the datamodule's
             ``num_unlabeled``; the callback reads it when its ``num_samples`` is None. A fact
             about the data, not a setting.
+        fixmatch_last_pseudo_labels: ``(confidence, pseudo_label)`` of the unlabeled rows of the
+            last :meth:`fixmatch_loss` (detached): what its unlabeled term trained on, for a
+            diagnostic of your own (their accuracy against labels the step never sees).
     """
 
     lpa3_settings_class = FixMatchSettings
     lpa3_settings: FixMatchSettings = FixMatchSettings()
     lpa3_num_samples: int | None = None
-    _fixmatch_weak: tuple[Tensor, Tensor] | None = None  # (weak inputs, their detached logits)
+    fixmatch_last_pseudo_labels: tuple[Tensor, Tensor] | None = None
+    _fixmatch_share_watch: LabelShareWatch | None = None
+
+    def fixmatch_forward(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """FixMatch's one forward: ``(logits_labeled, logits_weak, logits_strong)`` of the labeled,
+        weak and strong views forwarded as one batch in the module's mode (every view normalised
+        by the statistics of that batch, the running statistics moved once)."""
+        x, _, _, x_weak, x_strong, _ = split_semi_supervised_batch(batch)
+        logits = self.lpa3_logits(self.lpa3_model()(torch.cat([x, x_weak, x_strong])))
+        n, u = x.shape[0], x_weak.shape[0]
+        return logits[:n], logits[n:n + u], logits[n + u:]
+
+    def fixmatch_pseudo_labels(self, weak_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``(confidence, pseudo_label)``: the top probability and argmax of ``softmax(weak_logits / T)``."""
+        probs = torch.softmax(weak_logits.detach().float() / self.lpa3_settings.temperature, dim=1)
+        confidence, pseudo = probs.max(dim=1)
+        return confidence, pseudo
+
+    def _request_pseudo_labels(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """The pseudo-labels the training forward will compute, before it runs: the same joint
+        forward without gradient, in the run's precision, BatchNorm running statistics unchanged."""
+        trainer = getattr(self, "_trainer", None)
+        precision = getattr(trainer, "precision_plugin", None)
+        with BatchNormStatisticsFrozen(self.lpa3_model()), torch.no_grad(), \
+                (precision.forward_context() if precision is not None else contextlib.nullcontext()):
+            weak_logits = self.fixmatch_forward(batch)[1]
+        return self.fixmatch_pseudo_labels(weak_logits)
 
     def lpa3_split_batch(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         """The unlabeled weak view with its pseudo-labels and dataset indices (what LP-A3 attacks)."""
-        _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
-        return x_weak, self._pseudo_labels(self.fixmatch_weak_logits(batch))[1], idx
+        request = self.lpa3_request(batch)
+        return request.inputs, request.targets, request.indices
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
-        x_weak, pseudo, idx = self.lpa3_split_batch(batch)
+        _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
+        confidence, pseudo = self._request_pseudo_labels(batch)
         settings = self.lpa3_settings
         train_mask = None
         # the x' that fixmatch_loss will weigh above zero; under the authors' "batch_stats" forward
         # the x' batch's own statistics depend on every solved row, so all are solved there
         if settings.solve_trained_only and settings.train_forward == "verified":
-            confidence = self._pseudo_labels(self.fixmatch_weak_logits(batch))[0]  # the logits are cached
             train_mask = (confidence >= settings.lpa3_confidence_threshold) & self._lpa3_term_on()
         return LPA3Request(inputs=x_weak, targets=pseudo, indices=idx, train_mask=train_mask)
 
@@ -119,30 +154,22 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
 
     def _lpa3_term_on(self) -> bool:
         """Whether the LP-A3 term counts in this epoch (after ``lpa3_loss_warmup_epochs``)."""
-        trainer = getattr(self, "_trainer", None)
-        return (trainer.current_epoch if trainer is not None else 0) >= self.lpa3_settings.lpa3_loss_warmup_epochs
+        return int(getattr(self, "current_epoch", 0)) >= self.lpa3_settings.lpa3_loss_warmup_epochs
 
-    def fixmatch_weak_logits(self, batch: Any) -> Tensor:
-        """Detached logits of the weak unlabeled view: forwarded once per batch, then reused.
-
-        The forward runs in the module's mode (train) without gradient, like FixMatch's weak
-        branch, with BatchNorm on the weak batch's statistics; the running statistics are left
-        as they were (they move once a step, in the labeled + strong forward).
-        """
-        _, _, _, x_weak, _, _ = split_semi_supervised_batch(batch)
-        cached = self._fixmatch_weak
-        if cached is not None and cached[0] is x_weak:
-            return cached[1]
-        model = self.lpa3_model()
-        with BatchNormStatisticsFrozen(model), torch.no_grad():
-            logits = self.lpa3_logits(model(x_weak)).detach()
-        self._fixmatch_weak = (x_weak, logits)
-        return logits
-
-    def _pseudo_labels(self, weak_logits: Tensor) -> tuple[Tensor, Tensor]:
-        probs = torch.softmax(weak_logits.float() / self.lpa3_settings.temperature, dim=1)
-        confidence, pseudo = probs.max(dim=1)
-        return confidence, pseudo
+    def _watch_pseudo_labels(self, pseudo: Tensor, confident: Tensor, y: Tensor) -> Tensor:
+        """The largest class's share of this step's confident pseudo-labels (logged), and the
+        epoch's counts for :class:`~lpa3_lightning.methods.label_share.LabelShareWatch`' warning."""
+        classes = self.lpa3_num_classes or int(max(int(pseudo.max()), int(y.max())) + 1)
+        if self._fixmatch_share_watch is None or self._fixmatch_share_watch.num_classes != classes:
+            self._fixmatch_share_watch = LabelShareWatch(
+                classes, what="confident pseudo-labels", where="train/pseudo_label_top_class_share",
+                causes="the weak view forwarded apart from the batch that trains (BatchNorm normalises it by other "
+                       "statistics: forward labeled, weak and strong views together, as `fixmatch_loss` does), a "
+                       "learning rate too high for the batch, too few labels per class, or an unlabeled set "
+                       "dominated by one class.")
+        made = pseudo[confident]
+        self._fixmatch_share_watch.update(int(getattr(self, "current_epoch", 0)), made, y)
+        return top_class_share(made, classes)
 
     def fixmatch_loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """FixMatch's loss plus the LP-A3 term for one training batch.
@@ -150,9 +177,11 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         Returns:
             ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``,
             ``loss_lpa3``, ``mask_rate`` (share of pseudo-labels above the threshold),
-            ``num_augmented`` (the ``x'`` in the term's forward: with ``solve_trained_only``
-            only those above the second threshold) and ``lpa3_kept_rate`` (share of the selected
-            rows above the second threshold).
+            ``pseudo_label_top_class_share`` (the largest class's share of those confident
+            pseudo-labels; near 1 while the labeled data hold several classes means the
+            pseudo-labels collapsed, and the mixin warns once an epoch), ``num_augmented`` (the
+            ``x'`` in the term's forward: with ``solve_trained_only`` only those above the second
+            threshold) and ``lpa3_kept_rate`` (share of the selected rows above the second threshold).
         """
         self.lpa3_check_settings()
         settings = self.lpa3_settings
@@ -160,22 +189,20 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         classes = self.lpa3_num_classes
         if classes is not None:
             check_class_labels(y, classes, name="labeled batch targets")
-        model = self.lpa3_model()
-        weak_logits = self.fixmatch_weak_logits(batch)
-        self._fixmatch_weak = None  # this batch's logits are used up
-        self.lpa3_record_predictions(idx_u, weak_logits)  # TCS runs over the unlabeled set
-        confidence, pseudo = self._pseudo_labels(weak_logits)
-        # one forward of the labeled and strong views together (FixMatch also adds the weak view)
-        logits = self.lpa3_logits(model(torch.cat([x, x_strong])))
-        logits_l, logits_s = logits[: x.shape[0]], logits[x.shape[0]:]
+        logits_l, logits_w, logits_s = self.fixmatch_forward(batch)
+        self.lpa3_record_predictions(idx_u, logits_w)  # TCS runs over the unlabeled set
+        confidence, pseudo = self.fixmatch_pseudo_labels(logits_w)
+        self.fixmatch_last_pseudo_labels = (confidence, pseudo)
         loss_l = F.cross_entropy(logits_l, y)
         mask = (confidence >= settings.threshold).float()
         loss_u = (F.cross_entropy(logits_s, pseudo, reduction="none") * mask).mean()
-        loss_a, num_aug, kept_rate = logits.new_zeros(()), 0, logits.new_zeros(())
+        loss_a, num_aug, kept_rate = logits_l.new_zeros(()), 0, logits_l.new_zeros(())
         if self._lpa3_term_on():
             augmented = self.lpa3_take_augmented()
             if augmented is not None and len(augmented):
                 kept = (confidence.index_select(0, augmented.positions()) >= settings.lpa3_confidence_threshold).float()
+                # the x' keep the label the solver preserved: the request's pseudo-labels, those of this
+                # forward (the same joint batch, weights and statistics)
                 per_sample = F.cross_entropy(self.lpa3_forward_augmented(augmented), augmented.targets,
                                              reduction="none")
                 # the mean over the selected rows, as the authors' term: rows left unsolved
@@ -185,6 +212,6 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
                 num_aug, kept_rate = len(augmented), kept.sum() / selected
         loss = loss_l + settings.lambda_u * loss_u + settings.lpa3_weight * loss_a
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
-                 "mask_rate": mask.mean(), "num_augmented": torch.tensor(float(num_aug)),
-                 "lpa3_kept_rate": kept_rate.detach()}
+                 "mask_rate": mask.mean(), "pseudo_label_top_class_share": self._watch_pseudo_labels(pseudo, mask > 0, y),
+                 "num_augmented": torch.tensor(float(num_aug)), "lpa3_kept_rate": kept_rate.detach()}
         return loss, parts

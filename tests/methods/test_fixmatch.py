@@ -82,6 +82,11 @@ def _trainer(tmp_path, callbacks, max_epochs: int = 2, **kwargs) -> pl.Trainer:
 
 
 # ------------------------------------------------------------------ the loss terms on a tiny batch
+def _given_pseudo_labels(module: UserFixMatch, probs: torch.Tensor) -> None:
+    """Make the weak slice's pseudo-label probabilities ``probs`` (the request's and the loss's)."""
+    module.fixmatch_pseudo_labels = lambda weak_logits: probs.max(dim=1)  # type: ignore[method-assign]
+
+
 def _tiny_batch() -> dict:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(2, 1, 28, 28, generator=g), torch.tensor([0, 2])
@@ -97,7 +102,7 @@ def test_loss_terms_on_a_tiny_batch(epoch, warmup):
     x, y, _, weak, strong, _ = split_semi_supervised_batch(batch)
     # pseudo-label confidences 0.97 (kept), 0.92 (below 0.95, above 0.9), 0.5, 0.96 (kept)
     probs = torch.tensor([[0.97, 0.02, 0.01], [0.04, 0.92, 0.04], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
-    module._fixmatch_weak = (weak, probs.log())
+    _given_pseudo_labels(module, probs)
     x_adv = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     mask = torch.tensor([True, True, False, True])
     augmented = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1, 2]), indices=torch.tensor([5, 6, 8]),
@@ -134,7 +139,6 @@ def test_the_second_threshold_drops_low_confidence_x_prime():
     module = UserFixMatch(num_unlabeled=10)
     module.eval()
     batch = _tiny_batch()
-    _, _, _, weak, _, _ = split_semi_supervised_batch(batch)
     probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
     from lpa3_lightning.core.augmented_forward import running_statistics
 
@@ -142,7 +146,7 @@ def test_the_second_threshold_drops_low_confidence_x_prime():
     augmented = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1]), indices=torch.tensor([5, 6]),
                                mask=torch.tensor([True, True, False, False]), bn_mode="eval",
                                bn_statistics=running_statistics(module.net))
-    module._fixmatch_weak = (weak, probs.log())
+    _given_pseudo_labels(module, probs)
     module.lpa3_set_augmented(augmented)
     _, parts = module.fixmatch_loss(batch)
     with torch.no_grad():
@@ -167,34 +171,39 @@ def test_a_labeled_batch_without_its_index_is_named_as_the_labeled_part():
 
 
 # ------------------------------------------------------------------ a fit with the callback
-def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_weak_view_once(tmp_path):
-    pl.seed_everything(0)
-    module = UserFixMatch(num_unlabeled=64, confidence=0.4)
-    weak_forwards: list[int] = []
+def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batch_once_more(tmp_path):
+    """With the callback, one extra forward of FixMatch's joint batch a step (the request's pseudo-labels,
+    without gradient); without it, the reference's one."""
+    joint_forwards: dict[str, int] = {}
     steps: list[int] = []
 
-    class CountsWeakForwards(pl.Callback):
+    class CountsJointForwards(pl.Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            weak = batch["unlabeled"][0]
+            rows = batch["labeled"][0].shape[0] + 2 * batch["unlabeled"][0].shape[0]
             steps.append(0)
 
             def hook(_module, inputs, _output):
-                if inputs[0] is weak or (inputs[0].shape == weak.shape and torch.equal(inputs[0], weak)):
-                    weak_forwards.append(1)
+                if inputs[0].shape[0] == rows:
+                    joint_forwards[self.name] = joint_forwards.get(self.name, 0) + 1
 
             self.handle = pl_module.net.register_forward_hook(hook)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.handle.remove()
 
-    callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=2, seed=0, input_range=None)
-    # the counter runs first: its hook sees the callback's request forward too
-    trainer = _trainer(tmp_path, [CountsWeakForwards(), callback], max_epochs=2)
-    trainer.fit(module, _loaders())
-    assert len(steps) == 8
-    # the weak view went through the network once per step (the request's forward, reused by the loss);
-    # the solver's forwards take x + delta or frozen-statistics forwards of the selected subset
-    assert len(weak_forwards) == len(steps)
+    for name in ("plain", "lpa3"):
+        pl.seed_everything(0)
+        module = UserFixMatch(num_unlabeled=64, confidence=0.4)
+        callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=2, seed=0, input_range=None)
+        # the counter runs first: its hook sees the callback's request forward too
+        trainer = _trainer(tmp_path, [CountsJointForwards(name), *([callback] if name == "lpa3" else [])],
+                           max_epochs=2)
+        trainer.fit(module, _loaders())
+    assert len(steps) == 16
+    assert joint_forwards == {"plain": 8, "lpa3": 16}  # the solver's forwards take the selected weak rows only
     tcs = callback.runner().tcs
     assert tcs is not None and tcs.num_samples == 64 and bool(tcs.seen.all())  # TCS over the unlabeled set
     assert sum(p["num_augmented"] for p in module.parts) > 0
@@ -290,7 +299,6 @@ def test_skipped_rows_count_in_the_lpa3_term_as_zero_weighted_x_prime():
     module = UserFixMatch(num_unlabeled=10)
     module.eval()
     batch = _tiny_batch()
-    _, _, _, weak, _, _ = split_semi_supervised_batch(batch)
     probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
     x_adv = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     statistics = running_statistics(module.net)
@@ -303,7 +311,7 @@ def test_skipped_rows_count_in_the_lpa3_term_as_zero_weighted_x_prime():
                                   bn_statistics=statistics, skipped=1)
     parts = {}
     for name, augmented in (("every", every_selected), ("trained", trained_only)):
-        module._fixmatch_weak = (weak, probs.log())
+        _given_pseudo_labels(module, probs)
         module.lpa3_set_augmented(augmented)
         parts[name] = module.fixmatch_loss(batch)[1]
     with torch.no_grad():
@@ -316,14 +324,13 @@ def test_skipped_rows_count_in_the_lpa3_term_as_zero_weighted_x_prime():
 def test_the_request_marks_the_rows_the_loss_will_train():
     module = UserFixMatch(num_unlabeled=10, loss_warmup=1)
     batch = _tiny_batch()
-    _, _, _, weak, _, _ = split_semi_supervised_batch(batch)
     probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
 
     class FakeTrainer:
         current_epoch = 0
 
     module._trainer = FakeTrainer()  # type: ignore[assignment]
-    module._fixmatch_weak = (weak, probs.log())
+    _given_pseudo_labels(module, probs)
     assert module.lpa3_request(batch).train_mask.tolist() == [False] * 4  # the LP-A3 term is still warming up
     FakeTrainer.current_epoch = 1
     assert module.lpa3_request(batch).train_mask.tolist() == [True, False, False, True]  # confidence >= 0.9
@@ -421,3 +428,32 @@ def test_a_train_mask_of_the_wrong_kind_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="train_mask must be a bool tensor"):
         _trainer(tmp_path, [LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=None)], max_epochs=2).fit(
             module, _loaders())
+
+
+def test_pseudo_labels_collapsed_onto_one_class_are_logged_and_warned_about(tmp_path):
+    """A network that answers class 1 with certainty for every unlabeled image, while the labeled batches
+    hold all three classes: the loss reports a top-class share of 1 and the mixin warns, naming the cause
+    to look for and the logged key."""
+    pl.seed_everything(0)
+    module = UserFixMatch(num_unlabeled=64)
+    with torch.no_grad():
+        module.net[-1].weight.zero_()
+        module.net[-1].bias.copy_(torch.tensor([0.0, 20.0, 0.0]))
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.0)  # type: ignore[method-assign]
+    with pytest.warns(UserWarning, match=r"100% of the 64 confident pseudo-labels of epoch 0 .* are class 1.*"
+                                         r"3 classes.*weak view forwarded apart.*pseudo_label_top_class_share"):
+        _trainer(tmp_path, [], max_epochs=2).fit(module, _loaders())
+    assert all(p["pseudo_label_top_class_share"] == 1.0 for p in module.parts)
+
+
+def test_varied_pseudo_labels_give_no_collapse_warning(tmp_path):
+    import warnings
+
+    pl.seed_everything(0)
+    module = UserFixMatch(num_unlabeled=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [], max_epochs=2).fit(module, _loaders())
+    assert not [w for w in caught if "pseudo-labels of epoch" in str(w.message)]
+    shares = [p["pseudo_label_top_class_share"] for p in module.parts]
+    assert all(s != s or 1 / 3 <= s <= 1 for s in shares)  # NaN on a step without confident pseudo-labels
