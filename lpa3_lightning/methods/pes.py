@@ -13,7 +13,9 @@ PES trains on noisy labels in three phases (by epoch):
    label equals the model's prediction (eval mode, mean over two augmented views) is
    labeled, the rest unlabeled; then MixMatch (Berthelot et al., 2019): the labeled views
    keep their one-hot label, the unlabeled views get the sharpened mean prediction of their
-   two views (temperature 0.5), everything is mixed up (``l ~ Beta(alpha, alpha)``,
+   two views (temperature 0.5; by default from one forward of both views that leaves the
+   BatchNorm running statistics alone, ``guess_forward="reference"`` forwards each view alone,
+   moving them, as PES's code), everything is mixed up (``l ~ Beta(alpha, alpha)``,
    ``max(l, 1-l)``), and the loss is the class-balanced soft cross-entropy on the mixed
    labeled rows plus ``lambda_u * ramp`` times the probability MSE on the mixed unlabeled rows.
 
@@ -247,8 +249,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     def pes_guess(self, batch: Any) -> Tensor:
         """Sharpened mean prediction of the two views of this batch's unlabeled rows.
 
-        Forwarded once per batch (train mode, as MixMatch, with the BatchNorm running
-        statistics left alone), then reused by the loss and the request.
+        Forwarded once per batch (train mode, as MixMatch), then reused by the loss and the
+        request. ``guess_forward="joint_frozen"`` (default): both views in one forward, the
+        BatchNorm running statistics left alone; ``"reference"``: each view in a forward of its
+        own, each moving the running statistics (PES's code).
         """
         x1, x2, _, idx = split_two_view_batch(batch)
         u1, u2 = x1[~self._pes_split_rows(idx)], x2[~self._pes_split_rows(idx)]
@@ -261,11 +265,17 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
             kept = batchnorm_buffers_kept(model) if u1.shape[0] == 0 else contextlib.nullcontext()
-            with BatchNormStatisticsFrozen(model), kept:
-                logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
-            probs = torch.softmax(logits, 1)
-            guess = sharpen((probs[: u1.shape[0]] + probs[u1.shape[0]:]) / 2, self.lpa3_settings.temperature)
-            logits_u1 = logits[: u1.shape[0]]
+            if self.lpa3_settings.guess_forward == "reference":  # PES_semi.py:100-102: u1, then u2
+                with kept:
+                    logits_u1 = self.lpa3_logits(model(u1)).float()
+                    logits_u2 = self.lpa3_logits(model(u2)).float()
+                probs_u1, probs_u2 = torch.softmax(logits_u1, 1), torch.softmax(logits_u2, 1)
+            else:
+                with BatchNormStatisticsFrozen(model), kept:
+                    logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
+                probs = torch.softmax(logits, 1)
+                logits_u1, probs_u1, probs_u2 = logits[: u1.shape[0]], probs[: u1.shape[0]], probs[u1.shape[0]:]
+            guess = sharpen((probs_u1 + probs_u2) / 2, self.lpa3_settings.temperature)
         self._pes_guess = (x1, guess, logits_u1)
         return guess
 

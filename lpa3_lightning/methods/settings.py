@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from torch import Tensor
 
-from lpa3_lightning.core.arguments import check_flag, check_int, check_number, dataclass_from
+from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number, dataclass_from
 from lpa3_lightning.core.augmented_forward import TrainForward, check_train_forward
 from lpa3_lightning.core.checks import check_class_prior
 
@@ -197,6 +197,18 @@ class PESSettings(LPA3Settings):
             distribution: 0.9 there is a raw top probability of about 0.75 between two classes):
             an ``x'`` keeps its guessed label, so a wrong guess becomes a hard positive of the
             wrong class.
+        guess_forward: ``"joint_frozen"`` (this package's): the guess of the unlabeled rows comes
+            from one no-grad train-mode forward of both views together (each normalised by the
+            statistics of both), the BatchNorm running statistics left alone, so that only the
+            mixed training forward moves them. ``"reference"``: as PES's code (tmllab/PES at
+            5466238, ``PES_semi.py:100-102``; LPA3 ``PES/PES_LPA3.py:204-206``): the two views
+            forwarded one after the other in train mode, each normalised by its own batch and each
+            moving the running statistics (three moves a step instead of one).
+
+    The ``x'`` check: the solver keeps the guessed label of each ``x'`` it returns, on the unmixed
+    ``x'``; with ``lpa3_mixup=True`` (the authors') the rows the loss trains are mixed ``x'``
+    (``l x' + (1 - l) x_other``, ``l >= 0.5``, against the mixed target), which no check covers:
+    ``lpa3/label_preserved`` is the share of the unmixed ``x'`` that keep their label.
     """
 
     group: ClassVar[str] = "pes"
@@ -212,6 +224,7 @@ class PESSettings(LPA3Settings):
     class_weight_cap: float = 3.0
     lpa3_mixup: bool = True
     lpa3_confidence: float | None = None
+    guess_forward: Literal["joint_frozen", "reference"] = "joint_frozen"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -229,6 +242,9 @@ class PESSettings(LPA3Settings):
         self._number("class_weight_cap", "use 3.0 (PES).", above=0)
         self._bool("lpa3_mixup", "use True (the LP-A3 authors') or False.")
         check_lpa3_confidence(self.lpa3_confidence, f"{self.group}.lpa3_confidence")
+        check_choice(self.guess_forward, ("joint_frozen", "reference"), f"{self.group}.guess_forward",
+                     "use 'joint_frozen' (the default: one forward of both views, running statistics left alone) "
+                     "or 'reference' (PES's code: each view forwarded alone, moving the running statistics).")
 
 
 @dataclass(frozen=True)

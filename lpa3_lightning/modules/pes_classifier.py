@@ -59,7 +59,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
             ``early_epochs`` 20 (35 on CIFAR-100), T2 ``refine_epochs`` 5, ``lambda_u`` 150,
             ``temperature`` 0.5, mixup's ``alpha`` 4 and ``alpha_late`` 0.75 from
             ``alpha_late_epoch``, ``rampup_epochs`` 16, ``class_weight_cap`` 3, ``lpa3_mixup``,
-            ``lpa3_confidence``, ``train_forward``), or a mapping of its fields; None: the
+            ``lpa3_confidence``, ``guess_forward``, ``train_forward``), or a mapping of its fields; None: the
             defaults. Here ``alpha_late_epoch=None`` is half-way through the epochs outside the
             refine phase (the authors' epoch 150 of 300) and a negative value never switches. In a
             YAML config, ``pes:`` with the fields under it.
