@@ -195,3 +195,4 @@ class DivideMixSplitMixin(LPA3ModuleMixin):
         state["stratified_count"] = {k: [int(c) for c in v] if isinstance(v, (list, tuple)) else int(v)
                                      for k, v in saved.get("stratified_count", {}).items()}
         state["guess"] = {}
+        state.pop("partner", None)

@@ -275,9 +275,14 @@ class DivideMixSettings(LPA3Settings):
             as PES's LP-A3 does. Rows with ``lambda_u = 0`` (DivideMix's CIFAR-10 asymmetric and
             20% rows) need a weight of their own, or the ``x'`` train nothing.
         seed: ``0``. Seed of the Gaussian mixture's initialisation (the authors' is unseeded).
-        guess_bn_updates: ``False``. Let the guessing and refinement forwards (train mode, no
-            gradient) move the BatchNorm running statistics, as the authors' code does (True);
-            False: only the mixed training forward moves them.
+        guess_bn_updates: ``False`` (this package's). How each network's own no-grad guessing and
+            refinement forwards (train mode) treat BatchNorm: ``False``: both views of a row set in
+            one forward, running statistics left alone (only the mixed training forward moves
+            them); ``True``: the same pooled forwards, each moving the running statistics (twice a
+            step); ``"reference"``: as the authors' code (``Train_cifar.py:64-67, 76-77``): one
+            forward per view, each normalised by its own batch and each moving the running
+            statistics (four times a step). The other network's guess is always in eval mode, on
+            its running statistics as they are at the start of the step.
         split_per_class: ``False`` (the authors' one mixture over the whole set). True (this
             package's option): fit the mixture once per noisy class
             (:func:`~lpa3_lightning.methods.dividemix_parts.clean_probability_per_class`).
@@ -310,7 +315,7 @@ class DivideMixSettings(LPA3Settings):
     lpa3_mixup: bool = True
     lpa3_weight: float | None = None
     seed: int = 0
-    guess_bn_updates: bool = False
+    guess_bn_updates: bool | Literal["reference"] = False
     split_per_class: bool = False
     stratified_split: bool = False
     prior_weight: float = 1.0
@@ -333,8 +338,13 @@ class DivideMixSettings(LPA3Settings):
         self._number("rampup_epochs", "use 16.0 (DivideMix).", above=0)
         self._int("loss_history", 1, "use 1 (5 at 90% noise), DivideMix's.")
         self._int("seed", 0, "use e.g. 0.")
-        for name in ("negative_entropy", "lpa3_mixup", "guess_bn_updates", "split_per_class", "stratified_split"):
+        for name in ("negative_entropy", "lpa3_mixup", "split_per_class", "stratified_split"):
             self._bool(name, "use the default (False, or True for lpa3_mixup).")
+        if not isinstance(self.guess_bn_updates, bool) and self.guess_bn_updates != "reference":
+            raise ValueError(f"`{self.group}.guess_bn_updates` must be False, True or 'reference', got "
+                             f"{self.guess_bn_updates!r}. Fix: False (the default: running statistics left alone), "
+                             "True (pooled views, moving them) or 'reference' (one forward per view, as DivideMix's "
+                             "code).")
         if self.lpa3_weight is not None:
             self._number("lpa3_weight", "use None (lambda_u's weight) or e.g. 25.", minimum=0)
         self._number("prior_weight", "use 1.0 (the authors') or 0 (off).", minimum=0)

@@ -60,7 +60,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
             weight of 0 is refused, the attacks would train nothing), the split's
             ``split_per_class`` and ``stratified_split`` (ours), ``prior_weight`` 1 and
             ``class_prior`` (None: uniform, the authors'; ``num_classes`` numbers summing to 1 on an
-            imbalanced set such as PneumoniaMNIST's 26% / 74%), ``guess_bn_updates``, the GMM's
+            imbalanced set such as PneumoniaMNIST's 26% / 74%), ``guess_bn_updates`` (False, True or
+            ``"reference"``), the GMM's
             ``seed``, the networks' names and ``train_forward``), or a mapping of its fields; None:
             the defaults. In a YAML config, ``dividemix:`` with the fields under it.
         twin_bn: give every BatchNorm of both networks a twin for ``x'``.
