@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
@@ -61,6 +62,7 @@ from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen
 from lpa3_lightning.methods.dividemix_parts import co_guess, co_refine, negative_entropy, prior_penalty
 from lpa3_lightning.methods.dividemix_split import DivideMixPhase, DivideMixSplitMixin
+from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
 from lpa3_lightning.methods.mixmatch import linear_rampup, mixup, mixup_lambda, probability_mse, soft_cross_entropy
 from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.methods.pes import split_two_view_batch
@@ -274,6 +276,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             return loss, parts
         labeled, w = self._dm_labeled(network, idx)
         guess = self.dividemix_guess(batch, network)
+        # device work: the classes of the guessed labels, read once an epoch by dividemix_guess_report
+        self._dm_state().setdefault("tally", {}).setdefault(network, GuessTally()).add(guess)
         logits_u1 = self._dm_state()["guess"].pop(network)[2]
         self.lpa3_record_predictions(idx[~labeled], logits_u1, network=network)  # TCS: the unlabeled rows
         n_lab = int(labeled.sum())
@@ -308,6 +312,35 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
                  "loss_lpa3": loss_a.detach(), "unlabeled_weight": torch.tensor(settings.lambda_u * ramp),
                  "labeled_share": labeled.float().mean(), "num_augmented": torch.tensor(float(num_aug))}
         return loss, parts
+
+    def dividemix_guess_report(self) -> dict[str, float]:
+        """Read this epoch's guessed labels of each network (once: one host read per network, an
+        all-reduce under DDP, which every rank must join) and start new tallies. Returns the largest
+        class's share of each network's guessed labels (``dividemix/<network>/guess_top_class_share``)
+        and of both together (``dividemix/guess_top_class_share``), empty when none was guessed, and
+        warns (``rank_zero_warn``) for each network whose guesses are mostly of one class while its
+        labeled set holds several (:func:`~lpa3_lightning.methods.guess_tally.guess_collapse_warning`).
+        Call it at the end of every semi-supervised epoch (the ready
+        :class:`~lpa3_lightning.DivideMixClassifier` does, and logs the shares)."""
+        state = self._dm_state()
+        tallies, state["tally"] = state.get("tally", {}), {}
+        labeled_counts = state.get("labeled_counts", {})
+        classes = self._dm_sizes()[1]
+        report: dict[str, float] = {}
+        together = None
+        for name in self.lpa3_networks():  # the declared order on every rank (the all-reduces match)
+            device = next(self.dividemix_model(name).parameters()).device
+            counts = tallies.get(name, GuessTally()).take(classes, device)
+            if counts is None:
+                continue
+            together = counts if together is None else together + counts
+            share, message = guess_collapse_warning("DivideMix", counts, labeled_counts.get(name), f" ({name})")
+            report[f"dividemix/{name}/guess_top_class_share"] = share
+            if message is not None:
+                rank_zero_warn(message)
+        if together is not None:
+            report["dividemix/guess_top_class_share"] = float(together.max() / together.sum())
+        return report
 
     def dividemix_losses(self, batch: Any, batch_idx: int = 0,
                          batches_per_epoch: int | None = None) -> dict[str, tuple[Tensor, dict[str, Tensor]]]:
