@@ -358,3 +358,70 @@ def test_guess_bn_updates_takes_false_true_or_reference_and_names_the_fix():
         with pytest.raises(ValueError, match=r"`dividemix.guess_bn_updates` must be False, True or 'reference', got "
                                              f"{bad!r}. Fix:"):
             DivideMixSettings(guess_bn_updates=bad)
+
+
+def test_the_lpa3_term_is_pes_lpa3s_term_on_each_network_as_documented(monkeypatch):
+    """No reference exists for DivideMix + LP-A3 (the authors released none; docs/method.md section 5,
+    DivideMix). What the docs say it is: the ``x'`` of a network's unlabeled rows, mixed with that
+    network's labeled views (their co-refined targets) with the clean mixup's ``l`` and a fresh
+    permutation, the probability MSE of the mixed ``x'`` rows against the mixed co-guess, weighted by
+    ``lpa3_weight`` (None: ``lambda_u``) times the ramp: the LP-A3 term of PES_LPA3.py:232-244 on
+    Train_cifar.py's step. Checked with ``train_forward="batch_stats"`` (the ``adv`` BatchNorms in train
+    mode, as PES_LPA3.py:241) and ``guess_bn_updates="reference"``: the same loss, ``loss_lpa3``,
+    gradients and buffers (main and twin) for the network with ``x'``; the other network unchanged."""
+    from lpa3_lightning.core.augmented import AugmentedBatch
+    from lpa3_lightning.core.dual_bn import convert_dual_bn
+    from tests.methods.test_pes_reference import AuthorsTwinNet, _authors_name
+
+    net1, net2 = convert_dual_bn(small_net(5)), convert_dual_bn(small_net(6))
+    module = DMStep(net1, net2, warmup_epochs=2, lambda_u=25.0, lpa3_weight=10.0, guess_bn_updates="reference",
+                    train_forward="batch_stats")
+    module.epoch = 4
+    authors = {"net1": (AuthorsTwinNet(net1), AuthorsTwinNet(net2)), "net2": (AuthorsTwinNet(net2), AuthorsTwinNet(net1))}
+    x1, x2, y, _ = batch = two_view_batch(N, seed=4)
+    probs = _planted(module)
+    request = module.lpa3_request(batch, network="net1")  # net1's unlabeled rows (view 1), co-guessed labels
+    g = torch.Generator().manual_seed(11)
+    mask = torch.arange(len(request.indices)) % 3 != 0  # the callback picked two rows in three
+    x_adv = request.inputs[mask] + 0.2 * torch.randn(request.inputs[mask].shape, generator=g)
+    module.lpa3_set_augmented(AugmentedBatch(inputs=x_adv, targets=request.targets[mask],
+                                             indices=request.indices[mask], mask=mask, bn_mode="twin",
+                                             reference_inputs=request.inputs[mask].clone(), network="net1"),
+                              network="net1")
+    draws = Draws(monkeypatch, "lpa3_lightning.methods.dividemix")
+    losses = module.dividemix_losses(batch, batch_idx=5, batches_per_epoch=8)
+    (losses["net1"][0] + losses["net2"][0]).backward()
+    (_, lam1), (_, lam2) = draws.lams
+    idx1, idx1_adv, idx2 = draws.perms
+    lamb = reference_rampup(4 + 5 / 8, warm_up=2, lambda_u=25.0)
+    ramp = lamb / 25.0
+
+    lab = probs["net2"] > 0.5  # net1 trains on net2's split
+    net, partner = authors["net1"]
+    step = reference_train_step(net, partner, x1[lab], x2[lab], y[lab], probs["net2"][lab], x1[~lab], x2[~lab],
+                                lam1, idx1, lamb)
+    batch_size = int(lab.sum())
+    all_inputsadv = torch.cat([x1[lab], x2[lab], x_adv])
+    all_targetsadv = torch.cat([step["targets_x"], step["targets_x"], step["targets_u"][mask]])
+    mixed_inputadv = lam1 * all_inputsadv + (1 - lam1) * all_inputsadv[idx1_adv]
+    mixed_targetadv = lam1 * all_targetsadv + (1 - lam1) * all_targetsadv[idx1_adv]
+    prob_adv = torch.softmax(net(mixed_inputadv[batch_size * 2:], adv=True), dim=-1)
+    Ladv = torch.mean((prob_adv - mixed_targetadv[batch_size * 2:]) ** 2)
+    expected1 = step["loss"] + ramp * 10.0 * Ladv
+    expected1.backward()
+    assert torch.equal(request.targets, step["targets_u"].argmax(1))  # the label preserved: the co-guess's argmax
+    assert_close(losses["net1"][0], expected1, "net1 loss")
+    assert_close(losses["net1"][1]["loss_lpa3"], Ladv.detach(), "net1 loss_lpa3")
+    assert float(losses["net1"][1]["num_augmented"]) == int(mask.sum())
+    assert_same_gradients(net1, net, _authors_name)
+    assert_same_buffers(net1, net, _authors_name)
+
+    lab = probs["net1"] > 0.5
+    net, partner = authors["net2"]
+    step = reference_train_step(net, partner, x1[lab], x2[lab], y[lab], probs["net1"][lab], x1[~lab], x2[~lab],
+                                lam2, idx2, lamb)
+    step["loss"].backward()
+    assert_close(losses["net2"][0], step["loss"], "net2 loss")
+    assert float(losses["net2"][1]["loss_lpa3"]) == 0.0
+    assert_same_gradients(net2, net, _authors_name)
+    assert_same_buffers(net2, net, _authors_name)
