@@ -134,13 +134,11 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
         networks' predictions of both views (``network`` in train mode, its BatchNorm running
         statistics as ``guess_bn_updates`` says; the other in eval mode, as the authors).
         Forwarded once per batch and network, then reused by the request and the loss."""
-        x1, x2, _, idx = split_two_view_batch(batch)
+        x1 = split_two_view_batch(batch)[0]
         cached = self._dm_state()["guess"].get(network)
         if cached is not None and cached[0] is x1:
             return cached[1]
-        p_other = self._dm_partner_predictions(batch, network)
-        unlabeled = ~self._dm_labeled(network, idx)[0]
-        u1, u2 = x1[unlabeled], x2[unlabeled]
+        u1, u2, p_other = self._dm_partner_predictions(batch, network)
         classes = int(self.lpa3_num_classes or 0)
         own = self.dividemix_model(network)
         if u1.shape[0] == 0 and not needs_every_rank(own):
@@ -153,9 +151,9 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
         return guess
 
     @torch.no_grad()
-    def _dm_partner_predictions(self, batch: Any, network: str) -> Tensor:
-        """The partner's eval-mode predictions ``(2, U, C)`` of both views of the rows unlabeled for
-        ``network``. Made for every network at the first guess of a batch, before any train-mode
+    def _dm_partner_predictions(self, batch: Any, network: str) -> tuple[Tensor, Tensor, Tensor]:
+        """The two views ``u1``, ``u2`` of the rows unlabeled for ``network`` and its partner's
+        eval-mode predictions of them ``(2, U, C)``. Made for every network at the first guess of a batch, before any train-mode
         forward of the step (``guess_bn_updates`` True or ``"reference"`` moves the running
         statistics the partner's eval forward reads), so each guess takes its partner as it is at
         the start of the step; each network's are handed out once (to its guess), then dropped."""
@@ -169,7 +167,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             del state["partner"]
         return predictions
 
-    def _dm_all_partner_predictions(self, x1: Tensor, x2: Tensor, idx: Tensor) -> dict[str, Tensor]:
+    def _dm_all_partner_predictions(self, x1: Tensor, x2: Tensor,
+                                    idx: Tensor) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
         classes = int(self.lpa3_num_classes or 0)
         per_view = self.lpa3_settings.guess_bn_updates == "reference"
         predictions = {}
@@ -177,7 +176,7 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             unlabeled = ~self._dm_labeled(network, idx)[0]
             u1, u2 = x1[unlabeled], x2[unlabeled]
             if u1.shape[0] == 0:  # an eval-mode forward is no collective: nothing to join
-                predictions[network] = u1.new_zeros(2, 0, classes).float()
+                predictions[network] = (u1, u2, u1.new_zeros(2, 0, classes).float())
                 continue
             other = self.dividemix_model(self.dividemix_other(network))
             was_training = other.training
@@ -189,7 +188,7 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
                     logits = list(self.lpa3_logits(other(torch.cat([u1, u2]))).float().split(u1.shape[0]))
             finally:
                 other.train(was_training)
-            predictions[network] = torch.stack([torch.softmax(v, 1) for v in logits])
+            predictions[network] = (u1, u2, torch.stack([torch.softmax(v, 1) for v in logits]))
         return predictions
 
     def _dm_own_forward(self, model: nn.Module, v1: Tensor, v2: Tensor) -> tuple[Tensor, Tensor]:
