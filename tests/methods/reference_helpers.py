@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import lpa3_lightning.methods.mixmatch as mixmatch
+from lpa3_lightning.methods import mixmatch
 
 NUM_CLASSES = 4
 SIDE = 12  # 12x12 grey images: two convolutions, a pooling and a strided convolution leave 3x3

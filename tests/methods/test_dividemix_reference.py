@@ -28,8 +28,8 @@ from sklearn.mixture import GaussianMixture
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lpa3_lightning.mixins import DivideMixLPA3Mixin, DivideMixSettings
 from lpa3_lightning.methods.settings import settings_from
+from lpa3_lightning.mixins import DivideMixLPA3Mixin, DivideMixSettings
 from tests.methods.reference_helpers import (
     NUM_CLASSES,
     Draws,
@@ -231,7 +231,7 @@ def test_the_co_divide_is_eval_train_and_each_network_trains_on_the_others_split
     n = 40
     net1, net2 = small_net(7), small_net(8)
     module = DMStep(net1, net2, num_samples=n, warmup_epochs=1, loss_history=5, seed=3)
-    x1, x2, _, idx = two_view_batch(n, seed=5)
+    x1, _, _, idx = two_view_batch(n, seed=5)
     with torch.no_grad():  # noisy labels: the prediction on 60% of the rows, another class on the rest
         pred = clone(net1).eval()(x1).argmax(1)
     noisy = torch.where(idx % 5 < 3, pred, (pred + 1 + idx % 3) % NUM_CLASSES)

@@ -309,7 +309,7 @@ def test_the_default_guess_forward_is_one_frozen_forward_of_both_views_as_docume
     assert_same_buffers(module.net, reference)
 
     # the reference's step on the same weights and draws
-    authors, authors_ref, _, _ = _semi_module("reference")
+    authors, _, _, _ = _semi_module("reference")
     monkeypatch.setattr("lpa3_lightning.methods.pes.mixup_lambda", lambda alpha: lam)
     monkeypatch.setattr(torch, "randperm", lambda *a, **k: idx.clone())
     loss_reference, _ = authors.pes_loss(batch, batch_idx=3, batches_per_epoch=8)
