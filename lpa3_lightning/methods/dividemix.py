@@ -35,9 +35,12 @@ under DDP. Guesses and refinements use the networks as they are at the start of 
 batch is split by the per-sample labeled mask; the authors iterate over the labeled set and draw
 as many unlabeled samples, and :meth:`noisy_split_mask` lets the data module do likewise
 (``NoisyLabelDataModule(balance_split=True)``, the default: half of each batch from the samples
-labeled for either network, half from the rest, for a pass's number of steps). The guessing forwards
-leave the BatchNorm running statistics alone (the authors' move them;
-``guess_bn_updates=True`` does as they do). The GMM's initialisation
+labeled for either network, half from the rest, for a pass's number of steps). Each network's own
+guessing and refinement forwards take both views in one forward and leave the BatchNorm running
+statistics alone (the authors forward each view alone, in train mode, moving them four times a step;
+``guess_bn_updates="reference"`` does as they do, ``True`` keeps the pooled forwards and moves them);
+the other network's eval-mode predictions for the guesses are made at the batch's first guess, before
+any train-mode forward of the step. The GMM's initialisation
 is seeded (theirs is not). A split with fewer than two labeled or unlabeled samples is kept
 (the authors' code crashes on an empty unlabeled set): its empty part contributes zero. The
 settings named here are the fields of :class:`~lpa3_lightning.methods.settings.DivideMixSettings`.
@@ -50,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
@@ -58,6 +62,7 @@ from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen
 from lpa3_lightning.methods.dividemix_parts import co_guess, co_refine, negative_entropy, prior_penalty
 from lpa3_lightning.methods.dividemix_split import DivideMixPhase, DivideMixSplitMixin
+from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
 from lpa3_lightning.methods.mixmatch import linear_rampup, mixup, mixup_lambda, probability_mse, soft_cross_entropy
 from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.methods.pes import split_two_view_batch
@@ -126,40 +131,79 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
     @torch.no_grad()
     def dividemix_guess(self, batch: Any, network: str) -> Tensor:
         """Co-guessed targets of the rows unlabeled for ``network``: sharpened mean of both
-        networks' predictions of both views (``network`` in train mode with its BatchNorm
-        statistics left alone, the other in eval mode, as the authors). Forwarded once per batch
-        and network, then reused by the request and the loss."""
-        x1, x2, _, idx = split_two_view_batch(batch)
+        networks' predictions of both views (``network`` in train mode, its BatchNorm running
+        statistics as ``guess_bn_updates`` says; the other in eval mode, as the authors).
+        Forwarded once per batch and network, then reused by the request and the loss."""
+        x1 = split_two_view_batch(batch)[0]
         cached = self._dm_state()["guess"].get(network)
         if cached is not None and cached[0] is x1:
             return cached[1]
-        unlabeled = ~self._dm_labeled(network, idx)[0]
-        u1, u2 = x1[unlabeled], x2[unlabeled]
+        u1, u2, p_other = self._dm_partner_predictions(batch, network)
         classes = int(self.lpa3_num_classes or 0)
-        own, other = self.dividemix_model(network), self.dividemix_model(self.dividemix_other(network))
+        own = self.dividemix_model(network)
         if u1.shape[0] == 0 and not needs_every_rank(own):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
-            kept = batchnorm_buffers_kept(own) if u1.shape[0] == 0 else contextlib.nullcontext()
-            with self._dm_guess_bn(own), kept:
-                logits_own = self.lpa3_logits(own(torch.cat([u1, u2]))).float()
-            was_training = other.training
-            other.eval()
-            try:
-                logits_other = self.lpa3_logits(other(torch.cat([u1, u2]))).float()
-            finally:
-                other.train(was_training)
-            n = u1.shape[0]
-            p_own, p_other = torch.softmax(logits_own, 1), torch.softmax(logits_other, 1)
-            guess = co_guess(torch.stack([p_own[:n], p_own[n:]]), torch.stack([p_other[:n], p_other[n:]]),
-                             self.lpa3_settings.temperature)
-            logits_u1 = logits_own[:n]
+            logits_u1, logits_u2 = self._dm_own_forward(own, u1, u2)
+            p_own = torch.stack([torch.softmax(logits_u1, 1), torch.softmax(logits_u2, 1)])
+            guess = co_guess(p_own, p_other.to(p_own.device), self.lpa3_settings.temperature)
         self._dm_state()["guess"][network] = (x1, guess, logits_u1)
         return guess
 
-    def _dm_guess_bn(self, model: nn.Module) -> Any:
-        """The BatchNorm handling of a guessing or refinement forward (see ``guess_bn_updates``)."""
-        return contextlib.nullcontext() if self.lpa3_settings.guess_bn_updates else BatchNormStatisticsFrozen(model)
+    @torch.no_grad()
+    def _dm_partner_predictions(self, batch: Any, network: str) -> tuple[Tensor, Tensor, Tensor]:
+        """The two views ``u1``, ``u2`` of the rows unlabeled for ``network`` and its partner's
+        eval-mode predictions of them ``(2, U, C)``. Made for every network at the first guess of a batch, before any train-mode
+        forward of the step (``guess_bn_updates`` True or ``"reference"`` moves the running
+        statistics the partner's eval forward reads), so each guess takes its partner as it is at
+        the start of the step; each network's are handed out once (to its guess), then dropped."""
+        x1, x2, _, idx = split_two_view_batch(batch)
+        state = self._dm_state()
+        cached = state.get("partner")
+        if cached is None or cached[0] is not x1 or network not in cached[1]:
+            cached = state["partner"] = (x1, self._dm_all_partner_predictions(x1, x2, idx))
+        predictions = cached[1].pop(network)
+        if not cached[1]:
+            del state["partner"]
+        return predictions
+
+    def _dm_all_partner_predictions(self, x1: Tensor, x2: Tensor,
+                                    idx: Tensor) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        classes = int(self.lpa3_num_classes or 0)
+        per_view = self.lpa3_settings.guess_bn_updates == "reference"
+        predictions = {}
+        for network in self.lpa3_networks():
+            unlabeled = ~self._dm_labeled(network, idx)[0]
+            u1, u2 = x1[unlabeled], x2[unlabeled]
+            if u1.shape[0] == 0:  # an eval-mode forward is no collective: nothing to join
+                predictions[network] = (u1, u2, u1.new_zeros(2, 0, classes).float())
+                continue
+            other = self.dividemix_model(self.dividemix_other(network))
+            was_training = other.training
+            other.eval()
+            try:
+                if per_view:  # Train_cifar.py:66-67: one forward per view
+                    logits = [self.lpa3_logits(other(u)).float() for u in (u1, u2)]
+                else:
+                    logits = list(self.lpa3_logits(other(torch.cat([u1, u2]))).float().split(u1.shape[0]))
+            finally:
+                other.train(was_training)
+            predictions[network] = (u1, u2, torch.stack([torch.softmax(v, 1) for v in logits]))
+        return predictions
+
+    def _dm_own_forward(self, model: nn.Module, v1: Tensor, v2: Tensor) -> tuple[Tensor, Tensor]:
+        """The no-grad train-mode logits of two views of the same rows, for a guess or a
+        refinement, with the BatchNorm handling of ``guess_bn_updates``: one pooled forward with the
+        running statistics frozen (False) or moving (True), or one forward per view, each moving
+        them (``"reference"``). A rank with no rows (SyncBatchNorm's collective) keeps its buffers."""
+        kept = batchnorm_buffers_kept(model) if v1.shape[0] == 0 else contextlib.nullcontext()
+        mode = self.lpa3_settings.guess_bn_updates
+        with torch.no_grad(), kept:
+            if mode == "reference":  # Train_cifar.py:64-65 and 76-77: each view alone
+                return self.lpa3_logits(model(v1)).float(), self.lpa3_logits(model(v2)).float()
+            with contextlib.nullcontext() if mode else BatchNormStatisticsFrozen(model):
+                logits = self.lpa3_logits(model(torch.cat([v1, v2]))).float()
+        return logits[: v1.shape[0]], logits[v1.shape[0]:]
 
     def _dm_prior(self, device: torch.device) -> Tensor | None:
         """The prior penalty's class frequencies on ``device`` (None: uniform), built once per
@@ -231,17 +275,17 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             return loss, parts
         labeled, w = self._dm_labeled(network, idx)
         guess = self.dividemix_guess(batch, network)
+        # device work: the classes of the guessed labels, read once an epoch by dividemix_guess_report
+        self._dm_state().setdefault("tally", {}).setdefault(network, GuessTally()).add(guess)
         logits_u1 = self._dm_state()["guess"].pop(network)[2]
         self.lpa3_record_predictions(idx[~labeled], logits_u1, network=network)  # TCS: the unlabeled rows
         n_lab = int(labeled.sum())
         refined = x1.new_zeros(0, num_classes).float()
         if n_lab or needs_every_rank(model):  # (an empty forward where SyncBatchNorm syncs: every rank makes it)
-            kept = batchnorm_buffers_kept(model) if not n_lab else contextlib.nullcontext()
-            with torch.no_grad(), self._dm_guess_bn(model), kept:
-                probs = torch.softmax(self.lpa3_logits(model(torch.cat([x1[labeled], x2[labeled]]))).float(), 1)
+            logits_x1, logits_x2 = self._dm_own_forward(model, x1[labeled], x2[labeled])
             if n_lab:
-                refined = co_refine(y[labeled], torch.stack([probs[:n_lab], probs[n_lab:]]), w[labeled],
-                                    settings.temperature)
+                probs = torch.stack([torch.softmax(logits_x1, 1), torch.softmax(logits_x2, 1)])
+                refined = co_refine(y[labeled], probs, w[labeled], settings.temperature)
         inputs = torch.cat([x1[labeled], x2[labeled], x1[~labeled], x2[~labeled]])
         targets = torch.cat([refined, refined, guess, guess]).to(inputs.device)
         lam = mixup_lambda(settings.alpha)
@@ -267,6 +311,35 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
                  "loss_lpa3": loss_a.detach(), "unlabeled_weight": torch.tensor(settings.lambda_u * ramp),
                  "labeled_share": labeled.float().mean(), "num_augmented": torch.tensor(float(num_aug))}
         return loss, parts
+
+    def dividemix_guess_report(self) -> dict[str, float]:
+        """Read this epoch's guessed labels of each network (once: one host read per network, an
+        all-reduce under DDP, which every rank must join) and start new tallies. Returns the largest
+        class's share of each network's guessed labels (``dividemix/<network>/guess_top_class_share``)
+        and of both together (``dividemix/guess_top_class_share``), empty when none was guessed, and
+        warns (``rank_zero_warn``) for each network whose guesses are mostly of one class while its
+        labeled set holds several (:func:`~lpa3_lightning.methods.guess_tally.guess_collapse_warning`).
+        Call it at the end of every semi-supervised epoch (the ready
+        :class:`~lpa3_lightning.DivideMixClassifier` does, and logs the shares)."""
+        state = self._dm_state()
+        tallies, state["tally"] = state.get("tally", {}), {}
+        labeled_counts = state.get("labeled_counts", {})
+        classes = self._dm_sizes()[1]
+        report: dict[str, float] = {}
+        together = None
+        for name in self.lpa3_networks():  # the declared order on every rank (the all-reduces match)
+            device = next(self.dividemix_model(name).parameters()).device
+            counts = tallies.get(name, GuessTally()).take(classes, device)
+            if counts is None:
+                continue
+            together = counts if together is None else together + counts
+            share, message = guess_collapse_warning("DivideMix", counts, labeled_counts.get(name), f" ({name})")
+            report[f"dividemix/{name}/guess_top_class_share"] = share
+            if message is not None:
+                rank_zero_warn(message)
+        if together is not None:
+            report["dividemix/guess_top_class_share"] = float(together.max() / together.sum())
+        return report
 
     def dividemix_losses(self, batch: Any, batch_idx: int = 0,
                          batches_per_epoch: int | None = None) -> dict[str, tuple[Tensor, dict[str, Tensor]]]:

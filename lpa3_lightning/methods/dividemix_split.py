@@ -142,7 +142,19 @@ class DivideMixSplitMixin(LPA3ModuleMixin):
                 state["clean_prob"][name] = clean_probability(mean_loss, seed=settings.seed)
             if settings.stratified_split:
                 self._dm_hold_first_count(name, mean_loss)
+        # the noisy classes of the set each network trains on as labeled (the other's split), for
+        # the collapse check of the guessed labels
+        num_classes = self._dm_sizes()[1]
+        state["labeled_counts"] = {
+            name: torch.bincount(state["labels"][(state["clean_prob"][self._dm_partner(name)]
+                                                  > settings.threshold).cpu()], minlength=num_classes)
+            for name in losses if self._dm_partner(name) in state["clean_prob"]}
         return dict(state["clean_prob"])
+
+    def _dm_partner(self, network: str) -> str:
+        """The other of the two networks (co-divide: its split trains ``network``)."""
+        first, second = self.lpa3_networks()
+        return second if network == first else first
 
     def _dm_hold_first_count(self, name: str, mean_loss: Tensor) -> None:
         """``stratified_split``: keep the first real split's count (one total, or one per class with
@@ -186,7 +198,8 @@ class DivideMixSplitMixin(LPA3ModuleMixin):
         state = self._dm_state()
         return {"clean_prob": {k: v.cpu() for k, v in state["clean_prob"].items()},
                 "history": {k: [h.cpu() for h in v] for k, v in state["history"].items()},
-                "stratified_count": dict(state.get("stratified_count", {}))}
+                "stratified_count": dict(state.get("stratified_count", {})),
+                "labeled_counts": dict(state.get("labeled_counts", {}))}
 
     def dividemix_load_state_dict(self, saved: dict[str, Any]) -> None:
         state = self._dm_state()
@@ -195,3 +208,5 @@ class DivideMixSplitMixin(LPA3ModuleMixin):
         state["stratified_count"] = {k: [int(c) for c in v] if isinstance(v, (list, tuple)) else int(v)
                                      for k, v in saved.get("stratified_count", {}).items()}
         state["guess"] = {}
+        state.pop("partner", None)
+        state["labeled_counts"] = dict(saved.get("labeled_counts", {}))

@@ -13,7 +13,9 @@ PES trains on noisy labels in three phases (by epoch):
    label equals the model's prediction (eval mode, mean over two augmented views) is
    labeled, the rest unlabeled; then MixMatch (Berthelot et al., 2019): the labeled views
    keep their one-hot label, the unlabeled views get the sharpened mean prediction of their
-   two views (temperature 0.5), everything is mixed up (``l ~ Beta(alpha, alpha)``,
+   two views (temperature 0.5; by default from one forward of both views that leaves the
+   BatchNorm running statistics alone, ``guess_forward="reference"`` forwards each view alone,
+   moving them, as PES's code), everything is mixed up (``l ~ Beta(alpha, alpha)``,
    ``max(l, 1-l)``), and the loss is the class-balanced soft cross-entropy on the mixed
    labeled rows plus ``lambda_u * ramp`` times the probability MSE on the mixed unlabeled rows.
 
@@ -55,12 +57,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
 from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_rank
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
+from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
 from lpa3_lightning.methods.mixmatch import (
     agreement_split,
     class_balance_weights,
@@ -119,6 +123,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     lpa3_num_samples: int | None = None
     _pes_labeled: Tensor | None = None  # (N,) bool, the current split
     _pes_class_weights: Tensor | None = None
+    _pes_labeled_counts: Tensor | None = None  # (C,) the labeled set's noisy classes, on the host
+    _pes_tally: GuessTally | None = None  # the classes of this epoch's guessed labels, on the device
     # (the batch's view-1 inputs, the unlabeled rows' sharpened guess, their view-1 logits)
     _pes_guess: tuple[Tensor, Tensor, Tensor] | None = None
 
@@ -228,6 +234,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         self._pes_labeled = labeled
         self._pes_class_weights = class_balance_weights(noisy[labeled], num_classes,
                                                        self.lpa3_settings.class_weight_cap)
+        self._pes_labeled_counts = torch.bincount(noisy[labeled].long().cpu(), minlength=num_classes)
         return labeled
 
     def _pes_sizes(self) -> tuple[int, int]:
@@ -247,8 +254,10 @@ class PESLPA3Mixin(LPA3ModuleMixin):
     def pes_guess(self, batch: Any) -> Tensor:
         """Sharpened mean prediction of the two views of this batch's unlabeled rows.
 
-        Forwarded once per batch (train mode, as MixMatch, with the BatchNorm running
-        statistics left alone), then reused by the loss and the request.
+        Forwarded once per batch (train mode, as MixMatch), then reused by the loss and the
+        request. ``guess_forward="joint_frozen"`` (default): both views in one forward, the
+        BatchNorm running statistics left alone; ``"reference"``: each view in a forward of its
+        own, each moving the running statistics (PES's code).
         """
         x1, x2, _, idx = split_two_view_batch(batch)
         u1, u2 = x1[~self._pes_split_rows(idx)], x2[~self._pes_split_rows(idx)]
@@ -261,11 +270,17 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             guess, logits_u1 = u1.new_zeros(0, classes), u1.new_zeros(0, classes)
         else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
             kept = batchnorm_buffers_kept(model) if u1.shape[0] == 0 else contextlib.nullcontext()
-            with BatchNormStatisticsFrozen(model), kept:
-                logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
-            probs = torch.softmax(logits, 1)
-            guess = sharpen((probs[: u1.shape[0]] + probs[u1.shape[0]:]) / 2, self.lpa3_settings.temperature)
-            logits_u1 = logits[: u1.shape[0]]
+            if self.lpa3_settings.guess_forward == "reference":  # PES_semi.py:100-102: u1, then u2
+                with kept:
+                    logits_u1 = self.lpa3_logits(model(u1)).float()
+                    logits_u2 = self.lpa3_logits(model(u2)).float()
+                probs_u1, probs_u2 = torch.softmax(logits_u1, 1), torch.softmax(logits_u2, 1)
+            else:
+                with BatchNormStatisticsFrozen(model), kept:
+                    logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
+                probs = torch.softmax(logits, 1)
+                logits_u1, probs_u1, probs_u2 = logits[: u1.shape[0]], probs[: u1.shape[0]], probs[u1.shape[0]:]
+            guess = sharpen((probs_u1 + probs_u2) / 2, self.lpa3_settings.temperature)
         self._pes_guess = (x1, guess, logits_u1)
         return guess
 
@@ -320,6 +335,9 @@ class PESLPA3Mixin(LPA3ModuleMixin):
             return loss, parts
         labeled = self._pes_split_rows(idx)
         guess = self.pes_guess(batch)
+        if self._pes_tally is None:
+            self._pes_tally = GuessTally()
+        self._pes_tally.add(guess)  # device work: read once an epoch, by pes_guess_report
         logits_u1 = self._pes_guess[2] if self._pes_guess is not None else guess
         self._pes_guess = None
         # TCS runs over the unlabeled samples, on the guessing forward's view-1 predictions
@@ -354,12 +372,33 @@ class PESLPA3Mixin(LPA3ModuleMixin):
                  "num_augmented": torch.tensor(float(num_aug))}
         return loss, parts
 
+    # ------------------------------------------------------------------ per epoch: the guesses' classes
+    def pes_guess_report(self) -> dict[str, float]:
+        """Read this epoch's guessed labels (once: one host read, an all-reduce under DDP, which
+        every rank must join) and start a new tally. Returns ``{"pes/guess_top_class_share": share}``,
+        the largest class's share of the guessed labels (empty when none was guessed), and warns
+        (``rank_zero_warn``) when most of them are of one class while the labeled set holds several
+        (:func:`~lpa3_lightning.methods.guess_tally.guess_collapse_warning`). Call it at the end of
+        every semi-supervised epoch (the ready :class:`~lpa3_lightning.PESClassifier` does, and logs
+        the share)."""
+        tally = self._pes_tally if self._pes_tally is not None else GuessTally()
+        self._pes_tally = None
+        model = self.lpa3_model()
+        counts = tally.take(int(self.lpa3_num_classes or 0), next(model.parameters()).device)
+        if counts is None:
+            return {}
+        share, message = guess_collapse_warning("PES", counts, self._pes_labeled_counts)
+        if message is not None:
+            rank_zero_warn(message)
+        return {"pes/guess_top_class_share": share}
+
     # ------------------------------------------------------------------ checkpoint
     def pes_state_dict(self) -> dict[str, Any]:
         """The current split and class weights (a resume mid-epoch continues on the same split)."""
         return {"labeled": None if self._pes_labeled is None else self._pes_labeled.cpu(),
-                "class_weights": self._pes_class_weights}
+                "class_weights": self._pes_class_weights, "labeled_counts": self._pes_labeled_counts}
 
     def pes_load_state_dict(self, state: dict[str, Any]) -> None:
         self._pes_labeled = state.get("labeled")
         self._pes_class_weights = state.get("class_weights")
+        self._pes_labeled_counts = state.get("labeled_counts")

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from torch import Tensor
 
-from lpa3_lightning.core.arguments import check_flag, check_int, check_number, dataclass_from
+from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number, dataclass_from
 from lpa3_lightning.core.augmented_forward import TrainForward, check_train_forward
 from lpa3_lightning.core.checks import check_class_prior
 
@@ -197,6 +197,18 @@ class PESSettings(LPA3Settings):
             distribution: 0.9 there is a raw top probability of about 0.75 between two classes):
             an ``x'`` keeps its guessed label, so a wrong guess becomes a hard positive of the
             wrong class.
+        guess_forward: ``"joint_frozen"`` (this package's): the guess of the unlabeled rows comes
+            from one no-grad train-mode forward of both views together (each normalised by the
+            statistics of both), the BatchNorm running statistics left alone, so that only the
+            mixed training forward moves them. ``"reference"``: as PES's code (tmllab/PES at
+            5466238, ``PES_semi.py:100-102``; LPA3 ``PES/PES_LPA3.py:204-206``): the two views
+            forwarded one after the other in train mode, each normalised by its own batch and each
+            moving the running statistics (three moves a step instead of one).
+
+    The ``x'`` check: the solver keeps the guessed label of each ``x'`` it returns, on the unmixed
+    ``x'``; with ``lpa3_mixup=True`` (the authors') the rows the loss trains are mixed ``x'``
+    (``l x' + (1 - l) x_other``, ``l >= 0.5``, against the mixed target), which no check covers:
+    ``lpa3/label_preserved`` is the share of the unmixed ``x'`` that keep their label.
     """
 
     group: ClassVar[str] = "pes"
@@ -212,6 +224,7 @@ class PESSettings(LPA3Settings):
     class_weight_cap: float = 3.0
     lpa3_mixup: bool = True
     lpa3_confidence: float | None = None
+    guess_forward: Literal["joint_frozen", "reference"] = "joint_frozen"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -229,6 +242,9 @@ class PESSettings(LPA3Settings):
         self._number("class_weight_cap", "use 3.0 (PES).", above=0)
         self._bool("lpa3_mixup", "use True (the LP-A3 authors') or False.")
         check_lpa3_confidence(self.lpa3_confidence, f"{self.group}.lpa3_confidence")
+        check_choice(self.guess_forward, ("joint_frozen", "reference"), f"{self.group}.guess_forward",
+                     "use 'joint_frozen' (the default: one forward of both views, running statistics left alone) "
+                     "or 'reference' (PES's code: each view forwarded alone, moving the running statistics).")
 
 
 @dataclass(frozen=True)
@@ -259,9 +275,14 @@ class DivideMixSettings(LPA3Settings):
             as PES's LP-A3 does. Rows with ``lambda_u = 0`` (DivideMix's CIFAR-10 asymmetric and
             20% rows) need a weight of their own, or the ``x'`` train nothing.
         seed: ``0``. Seed of the Gaussian mixture's initialisation (the authors' is unseeded).
-        guess_bn_updates: ``False``. Let the guessing and refinement forwards (train mode, no
-            gradient) move the BatchNorm running statistics, as the authors' code does (True);
-            False: only the mixed training forward moves them.
+        guess_bn_updates: ``False`` (this package's). How each network's own no-grad guessing and
+            refinement forwards (train mode) treat BatchNorm: ``False``: both views of a row set in
+            one forward, running statistics left alone (only the mixed training forward moves
+            them); ``True``: the same pooled forwards, each moving the running statistics (twice a
+            step); ``"reference"``: as the authors' code (``Train_cifar.py:64-67, 76-77``): one
+            forward per view, each normalised by its own batch and each moving the running
+            statistics (four times a step). The other network's guess is always in eval mode, on
+            its running statistics as they are at the start of the step.
         split_per_class: ``False`` (the authors' one mixture over the whole set). True (this
             package's option): fit the mixture once per noisy class
             (:func:`~lpa3_lightning.methods.dividemix_parts.clean_probability_per_class`).
@@ -294,7 +315,7 @@ class DivideMixSettings(LPA3Settings):
     lpa3_mixup: bool = True
     lpa3_weight: float | None = None
     seed: int = 0
-    guess_bn_updates: bool = False
+    guess_bn_updates: bool | Literal["reference"] = False
     split_per_class: bool = False
     stratified_split: bool = False
     prior_weight: float = 1.0
@@ -317,8 +338,13 @@ class DivideMixSettings(LPA3Settings):
         self._number("rampup_epochs", "use 16.0 (DivideMix).", above=0)
         self._int("loss_history", 1, "use 1 (5 at 90% noise), DivideMix's.")
         self._int("seed", 0, "use e.g. 0.")
-        for name in ("negative_entropy", "lpa3_mixup", "guess_bn_updates", "split_per_class", "stratified_split"):
+        for name in ("negative_entropy", "lpa3_mixup", "split_per_class", "stratified_split"):
             self._bool(name, "use the default (False, or True for lpa3_mixup).")
+        if not isinstance(self.guess_bn_updates, bool) and self.guess_bn_updates != "reference":
+            raise ValueError(f"`{self.group}.guess_bn_updates` must be False, True or 'reference', got "
+                             f"{self.guess_bn_updates!r}. Fix: False (the default: running statistics left alone), "
+                             "True (pooled views, moving them) or 'reference' (one forward per view, as DivideMix's "
+                             "code).")
         if self.lpa3_weight is not None:
             self._number("lpa3_weight", "use None (lambda_u's weight) or e.g. 25.", minimum=0)
         self._number("prior_weight", "use 1.0 (the authors') or 0 (off).", minimum=0)

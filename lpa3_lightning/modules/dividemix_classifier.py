@@ -38,7 +38,10 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
     ``forward``) add both networks' logits, as the authors' test. Training batches are
     ``(x_view1, x_view2, noisy_label, index)``; validation and test batches ``(x, y, index)``
     with clean labels. Logs ``train/loss``, each network's parts (``train/net1/...``),
-    ``val/acc`` and ``test/acc`` (torchmetrics). ``LPA3Callback`` needs no warm-up: it solves
+    ``val/acc``, ``test/acc`` (torchmetrics) and, each semi-supervised epoch,
+    ``dividemix/guess_top_class_share`` (and per network, ``dividemix/net1/...``): the largest
+    class's share of the epoch's guessed labels, with a warning when most are of one class while
+    the labeled set holds several. ``LPA3Callback`` needs no warm-up: it solves
     ``x'`` from the semi-supervised phase on, where they are trained, and its memory learns before.
 
     Args:
@@ -60,7 +63,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
             weight of 0 is refused, the attacks would train nothing), the split's
             ``split_per_class`` and ``stratified_split`` (ours), ``prior_weight`` 1 and
             ``class_prior`` (None: uniform, the authors'; ``num_classes`` numbers summing to 1 on an
-            imbalanced set such as PneumoniaMNIST's 26% / 74%), ``guess_bn_updates``, the GMM's
+            imbalanced set such as PneumoniaMNIST's 26% / 74%), ``guess_bn_updates`` (False, True or
+            ``"reference"``), the GMM's
             ``seed``, the networks' names and ``train_forward``), or a mapping of its fields; None:
             the defaults. In a YAML config, ``dividemix:`` with the fields under it.
         twin_bn: give every BatchNorm of both networks a twin for ``x'``.
@@ -172,6 +176,11 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
                 self.log(f"train/{name}/{key}", value.float())
         self.log("train/loss", total.detach(), prog_bar=True)  # type: ignore[union-attr]
         return total  # type: ignore[return-value]
+
+    def on_train_epoch_end(self) -> None:
+        if self.dividemix_phase(self.current_epoch) == "semi":  # each network's guessed labels: their top share
+            for name, value in self.dividemix_guess_report().items():
+                self.log(name, value, sync_dist=True)  # (the same on every rank: the counts are all-reduced)
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: Any, batch_idx: int) -> None:

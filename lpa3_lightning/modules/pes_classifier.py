@@ -41,7 +41,9 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
     search) and Adam applies the head's; the other weights stay as the early phase left them. Training
     batches are ``(x_view1, x_view2, noisy_label, index)``; validation and test batches
     ``(x, y, index)`` with clean labels. Logs ``train/loss``, its parts, ``train/labeled_share``,
-    ``val/acc`` and ``test/acc`` (torchmetrics). ``LPA3Callback`` needs no warm-up: it solves
+    ``val/acc``, ``test/acc`` (torchmetrics) and, each semi-supervised epoch,
+    ``pes/guess_top_class_share`` (the largest class's share of the epoch's guessed labels; a
+    warning when most are of one class while the labeled set holds several). ``LPA3Callback`` needs no warm-up: it solves
     ``x'`` from the semi phase on, where they are trained, and its memory learns before.
 
     Args:
@@ -59,7 +61,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
             ``early_epochs`` 20 (35 on CIFAR-100), T2 ``refine_epochs`` 5, ``lambda_u`` 150,
             ``temperature`` 0.5, mixup's ``alpha`` 4 and ``alpha_late`` 0.75 from
             ``alpha_late_epoch``, ``rampup_epochs`` 16, ``class_weight_cap`` 3, ``lpa3_mixup``,
-            ``lpa3_confidence``, ``train_forward``), or a mapping of its fields; None: the
+            ``lpa3_confidence``, ``guess_forward``, ``train_forward``), or a mapping of its fields; None: the
             defaults. Here ``alpha_late_epoch=None`` is half-way through the epochs outside the
             refine phase (the authors' epoch 150 of 300) and a negative value never switches. In a
             YAML config, ``pes:`` with the fields under it.
@@ -181,7 +183,11 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         return loss.detach()
 
     def on_train_epoch_end(self) -> None:
-        if self.pes_phase(self.current_epoch) != "refine":
+        phase = self.pes_phase(self.current_epoch)
+        if phase == "semi":  # the largest class's share of the epoch's guessed labels (a warning if they collapse)
+            for name, value in self.pes_guess_report().items():
+                self.log(name, value, sync_dist=True)  # (the same on every rank: the counts are all-reduced)
+        if phase != "refine":
             scheduler = self.lr_schedulers()
             scheduler.step()  # type: ignore[union-attr]
 

@@ -1,0 +1,174 @@
+"""PES and DivideMix say when their guessed labels collapse to one class, and log the largest class's share.
+
+The networks here are oracles: each image has a bright quadrant, whose position is its class, and the
+network reads the four quadrant means. Guesses are then right and spread over the four classes; a
+large bias on one class of the head makes every guess that class (a collapse), while the split, made
+before it, holds labeled samples of every class.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lpa3_lightning import DivideMixClassifier, PESClassifier
+from lpa3_lightning.core.host_reads import HostReadCounter
+from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
+from lpa3_lightning.mixins import DivideMixSettings, PESSettings
+from tests.methods.reference_helpers import NUM_CLASSES, SIDE
+from tests.methods.test_dividemix_reference import DMStep
+from tests.methods.test_pes_reference import PESStep
+
+N = 48
+
+
+def _oracle() -> nn.Sequential:
+    net = nn.Sequential(nn.AvgPool2d(SIDE // 2), nn.Flatten(), nn.Linear(4, NUM_CLASSES))
+    with torch.no_grad():
+        net[-1].weight.copy_(8.0 * torch.eye(NUM_CLASSES))
+        net[-1].bias.zero_()
+    return net
+
+
+def _collapse(net: nn.Sequential, to: int = 2) -> None:
+    with torch.no_grad():
+        net[-1].bias[to] = 100.0
+
+
+def _data() -> list:
+    """``(x1, x2, noisy_label, index)`` rows: class ``i % 4``, its quadrant bright; the labels of half the rows
+    (each class's every other row: ``(i // 4) % 2 == 0``) moved to the next class."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(N):
+        label = i % NUM_CLASSES
+        base = torch.zeros(1, SIDE, SIDE)
+        r, c = divmod(label, 2)
+        base[:, r * SIDE // 2:(r + 1) * SIDE // 2, c * SIDE // 2:(c + 1) * SIDE // 2] = 1.0
+        views = [base + 0.1 * torch.randn(base.shape, generator=g) for _ in range(2)]
+        noisy = (label + 1) % NUM_CLASSES if (i // NUM_CLASSES) % 2 == 0 else label
+        rows.append((views[0], views[1], torch.tensor(noisy), torch.tensor(i)))
+    return rows
+
+
+def _pes(collapsed: bool) -> PESStep:
+    module = PESStep(_oracle(), early_epochs=1, refine_epochs=0)
+    module.lpa3_num_samples = N
+    module.epoch = 1
+    module.pes_begin_epoch(1, DataLoader(_data(), batch_size=16))
+    assert int((module._pes_labeled_counts > 0).sum()) == NUM_CLASSES  # the split: labeled rows of every class
+    if collapsed:
+        _collapse(module.net)
+    for batch in DataLoader(_data(), batch_size=16):
+        module.pes_loss(batch)
+    return module
+
+
+def _dividemix(collapsed: bool) -> DMStep:
+    module = DMStep(_oracle(), _oracle(), num_samples=N, warmup_epochs=1)
+    module.epoch = 1
+    module.dividemix_begin_epoch(1, DataLoader(_data(), batch_size=16))
+    for name in ("net1", "net2"):
+        counts = module._dm_state()["labeled_counts"][name]
+        assert int((counts > 0).sum()) == NUM_CLASSES, counts
+    if collapsed:
+        _collapse(module.a)
+        _collapse(module.b)
+    for batch in DataLoader(_data(), batch_size=16):
+        module.dividemix_losses(batch)
+    return module
+
+
+def test_a_collapsed_pes_guess_is_warned_about_naming_the_causes_and_its_share_reported():
+    module = _pes(collapsed=True)
+    with pytest.warns(UserWarning, match=r"PES: 100% of this epoch's \d+ guessed labels of unlabeled rows are class "
+                                         r"2, while the labeled set holds 4 classes .*`pes.guess_forward`.*"
+                                         r"`pes/guess_top_class_share`"):
+        report = module.pes_guess_report()
+    assert report == {"pes/guess_top_class_share": 1.0}
+    assert module.pes_guess_report() == {}  # read once: the next epoch counts afresh
+
+
+def test_a_healthy_pes_guess_is_silent_and_its_share_reported():
+    module = _pes(collapsed=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = module.pes_guess_report()
+    assert report["pes/guess_top_class_share"] == pytest.approx(0.25)  # the oracle's guesses: 6 of each class
+
+
+def test_a_collapsed_dividemix_guess_is_warned_about_for_each_network():
+    module = _dividemix(collapsed=True)
+    with pytest.warns(UserWarning) as caught:
+        report = module.dividemix_guess_report()
+    messages = [str(w.message) for w in caught]
+    for name in ("net1", "net2"):
+        assert any(m.startswith(f"DivideMix ({name}): 100% of this epoch's") and "class 2" in m
+                   and "`dividemix.guess_bn_updates`" in m for m in messages), messages
+    assert report == {"dividemix/net1/guess_top_class_share": 1.0, "dividemix/net2/guess_top_class_share": 1.0,
+                      "dividemix/guess_top_class_share": 1.0}
+
+
+def test_a_healthy_dividemix_guess_is_silent():
+    module = _dividemix(collapsed=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = module.dividemix_guess_report()
+    assert report["dividemix/guess_top_class_share"] == pytest.approx(0.25, abs=0.05)
+
+
+def test_the_tally_reads_nothing_on_the_host_per_step():
+    """The counts are device work in the step (``index_add_``); only the epoch's report reads them."""
+    tally = GuessTally()
+    guess = torch.softmax(torch.randn(10, NUM_CLASSES), 1)
+    with HostReadCounter() as reads:
+        for _ in range(3):
+            tally.add(guess)
+            tally.add(guess[:0])  # a step without unlabeled rows
+    assert reads.total == 0, dict(reads.counts)
+    assert torch.equal(tally.take(NUM_CLASSES, "cpu"), 3 * torch.bincount(guess.argmax(1), minlength=NUM_CLASSES).float())
+    assert tally.take(NUM_CLASSES, "cpu") is None  # taken: empty again
+
+
+@pytest.mark.parametrize("counts, labeled, fires", [
+    ([30, 5, 5, 0], [10, 10, 10, 10], True),  # 75% in one class, a quarter of the labeled set
+    ([20, 12, 4, 4], [10, 10, 10, 10], False),  # 50%: not most
+    ([90, 10], [74, 26], False),  # the majority class of an imbalanced set: 90% < 74% + 25%
+    ([10, 90], [74, 26], True),  # the minority class: 90% > 26% + 25%
+    ([40, 0, 0, 0], [10, 0, 0, 0], False),  # the labeled set holds one class
+    ([10, 0, 0, 0], [10, 10, 10, 10], False),  # too few guesses to say
+])
+def test_the_collapse_rule(counts, labeled, fires):
+    share, message = guess_collapse_warning("PES", torch.tensor(counts), torch.tensor(labeled))
+    assert share == pytest.approx(max(counts) / sum(counts))
+    assert (message is not None) == fires
+
+
+def _trainer(tmp_path) -> pl.Trainer:
+    return pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                      num_sanity_val_steps=0)
+
+
+def test_the_ready_modules_log_the_share_each_semi_supervised_epoch(tmp_path):
+    loader = DataLoader(_data(), batch_size=16)
+    pes = PESClassifier(num_classes=NUM_CLASSES, num_samples=N, model=_oracle(), twin_bn=False,
+                        pes=PESSettings(early_epochs=1, refine_epochs=0))
+    trainer = _trainer(tmp_path)
+    trainer.fit(pes, loader)
+    assert 0.25 <= float(trainer.logged_metrics["pes/guess_top_class_share"]) <= 1.0
+    torch.manual_seed(0)
+    dividemix = DivideMixClassifier(num_classes=NUM_CLASSES, num_samples=N, in_channels=1,
+                                    dividemix=DivideMixSettings(warmup_epochs=1))
+    trainer = _trainer(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the split's losses on the augmented views: a data module without an eval view)
+        trainer.fit(dividemix, loader)
+    for key in ("dividemix/guess_top_class_share", "dividemix/net1/guess_top_class_share",
+                "dividemix/net2/guess_top_class_share"):
+        assert 0.25 <= float(trainer.logged_metrics[key]) <= 1.0, key
