@@ -35,6 +35,8 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,7 +44,7 @@ from torch import Tensor
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
-from lpa3_lightning.methods.label_share import LabelShareWatch, top_class_share
+from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning, top_class_share
 from lpa3_lightning.methods.settings import FixMatchSettings
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
@@ -104,7 +106,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
     lpa3_settings: FixMatchSettings = FixMatchSettings()
     lpa3_num_samples: int | None = None
     fixmatch_last_pseudo_labels: tuple[Tensor, Tensor] | None = None
-    _fixmatch_share_watch: LabelShareWatch | None = None
+    _fixmatch_tallies: tuple[GuessTally, GuessTally] | None = None  # this epoch's (confident pseudo-labels, labels)
 
     def fixmatch_forward(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         """FixMatch's one forward: ``(logits_labeled, logits_weak, logits_strong)`` of the labeled,
@@ -156,20 +158,36 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         """Whether the LP-A3 term counts in this epoch (after ``lpa3_loss_warmup_epochs``)."""
         return int(getattr(self, "current_epoch", 0)) >= self.lpa3_settings.lpa3_loss_warmup_epochs
 
-    def _watch_pseudo_labels(self, pseudo: Tensor, confident: Tensor, y: Tensor) -> Tensor:
-        """The largest class's share of this step's confident pseudo-labels (logged), and the
-        epoch's counts for :class:`~lpa3_lightning.methods.label_share.LabelShareWatch`' warning."""
+    def _count_pseudo_labels(self, pseudo: Tensor, confident: Tensor, y: Tensor) -> Tensor:
+        """Count this step's confident pseudo-labels and labeled targets by class (device work, read
+        once an epoch by :meth:`fixmatch_pseudo_label_report`); the step's largest class's share."""
         classes = self.lpa3_num_classes or int(max(int(pseudo.max()), int(y.max())) + 1)
-        if self._fixmatch_share_watch is None or self._fixmatch_share_watch.num_classes != classes:
-            self._fixmatch_share_watch = LabelShareWatch(
-                classes, what="confident pseudo-labels", where="train/pseudo_label_top_class_share",
-                causes="the weak view forwarded apart from the batch that trains (BatchNorm normalises it by other "
-                       "statistics: forward labeled, weak and strong views together, as `fixmatch_loss` does), a "
-                       "learning rate too high for the batch, too few labels per class, or an unlabeled set "
-                       "dominated by one class.")
-        made = pseudo[confident]
-        self._fixmatch_share_watch.update(int(getattr(self, "current_epoch", 0)), made, y)
-        return top_class_share(made, classes)
+        if self._fixmatch_tallies is None:
+            self._fixmatch_tallies = (GuessTally(), GuessTally())
+        made, labeled = self._fixmatch_tallies
+        made.add_labels(pseudo[confident], classes)
+        labeled.add_labels(y, classes)
+        return top_class_share(pseudo[confident], classes)
+
+    def fixmatch_pseudo_label_report(self) -> dict[str, float]:
+        """Read this epoch's confident pseudo-labels and labeled targets by class (once: one host read, an
+        all-reduce under DDP, which every rank must join) and start new tallies. Returns
+        ``{"fixmatch/pseudo_label_top_class_share": share}``, the largest class's share of the epoch's
+        confident pseudo-labels (empty when there were none), and warns (``rank_zero_warn``) when most of
+        them are of one class while the labeled batches held several
+        (:func:`~lpa3_lightning.methods.guess_tally.guess_collapse_warning`). Call it at the end of every
+        training epoch (the ready :class:`~lpa3_lightning.FixMatchClassifier` does, and logs the share)."""
+        made, labeled = self._fixmatch_tallies or (GuessTally(), GuessTally())
+        self._fixmatch_tallies = None
+        classes = int(self.lpa3_num_classes or 0)
+        device = next(self.lpa3_model().parameters()).device
+        counts, labeled_counts = made.take(classes, device), labeled.take(classes, device)
+        if counts is None:
+            return {}
+        share, message = guess_collapse_warning("FixMatch", counts, labeled_counts)
+        if message is not None:
+            rank_zero_warn(message)
+        return {"fixmatch/pseudo_label_top_class_share": share}
 
     def fixmatch_loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """FixMatch's loss plus the LP-A3 term for one training batch.
@@ -179,7 +197,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
             ``loss_lpa3``, ``mask_rate`` (share of pseudo-labels above the threshold),
             ``pseudo_label_top_class_share`` (the largest class's share of those confident
             pseudo-labels; near 1 while the labeled data hold several classes means the
-            pseudo-labels collapsed, and the mixin warns once an epoch), ``num_augmented`` (the
+            pseudo-labels collapsed: :meth:`fixmatch_pseudo_label_report` warns), ``num_augmented`` (the
             ``x'`` in the term's forward: with ``solve_trained_only`` only those above the second
             threshold) and ``lpa3_kept_rate`` (share of the selected rows above the second threshold).
         """
@@ -212,6 +230,6 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
                 num_aug, kept_rate = len(augmented), kept.sum() / selected
         loss = loss_l + settings.lambda_u * loss_u + settings.lpa3_weight * loss_a
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
-                 "mask_rate": mask.mean(), "pseudo_label_top_class_share": self._watch_pseudo_labels(pseudo, mask > 0, y),
+                 "mask_rate": mask.mean(), "pseudo_label_top_class_share": self._count_pseudo_labels(pseudo, mask > 0, y),
                  "num_augmented": torch.tensor(float(num_aug)), "lpa3_kept_rate": kept_rate.detach()}
         return loss, parts

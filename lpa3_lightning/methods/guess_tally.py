@@ -1,12 +1,15 @@
-"""The classes of the guessed labels over an epoch (PES, DivideMix), and a warning when they collapse.
+"""The classes of the labels a method makes for its unlabeled rows, over an epoch, and a warning when
+they collapse: FixMatch's confident pseudo-labels, PES's and DivideMix's guessed labels.
 
-PES and DivideMix train their unlabeled rows towards a sharpened guess of the network (MixMatch), and
-LP-A3 preserves that guess's argmax in every ``x'``. If the guesses fall into one class, the loss
-teaches the network that class for every unlabeled image and the network's next guesses agree: a
-collapse the losses do not show (the unlabeled loss is small when the network agrees with itself).
-:class:`GuessTally` counts the classes of the guessed labels on the device, every step, without a
-host read; the epoch's end reads it once (all-reduced under DDP) and :func:`guess_collapse_warning`
-words the warning when most guessed labels are of one class while the labeled set holds several.
+Each of these methods trains its unlabeled rows towards labels the network makes itself, and LP-A3
+preserves those labels in every ``x'``. If they fall into one class, the loss teaches the network that
+class for every unlabeled image and the network's next labels agree: a collapse the losses do not show
+(the unlabeled loss is small when the network agrees with itself). Measured once in this package:
+FixMatch's weak view forwarded apart from the batch that trains put 224 of 224 confident pseudo-labels
+in one class, 8.5% of them right. :class:`GuessTally` counts the classes on the device, every step,
+without a host read; the epoch's end reads it once (all-reduced under DDP) and
+:func:`guess_collapse_warning` words the warning when most made labels are of one class while the
+labeled set holds several.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning"]
+__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning",
+           "top_class_share"]
 
 #: the largest class's share of the epoch's guessed labels above which they are called collapsed ...
 COLLAPSE_SHARE = 0.5
@@ -37,11 +41,13 @@ class GuessTally:
 
     def add(self, guess: Tensor) -> None:
         """Count the argmax of each row of ``guess`` ``(B, C)`` (a sharpened guess, or logits)."""
-        classes = guess.shape[1]
-        if self.counts is None or self.counts.shape[0] != classes or self.counts.device != guess.device:
-            self.counts = torch.zeros(classes, device=guess.device)
-        labels = guess.argmax(1)
-        self.counts.index_add_(0, labels, torch.ones_like(labels, dtype=self.counts.dtype))
+        self.add_labels(guess.argmax(1), guess.shape[1])
+
+    def add_labels(self, labels: Tensor, classes: int) -> None:
+        """Count ``labels`` ``(N,)`` of ``classes`` classes (e.g. the confident pseudo-labels)."""
+        if self.counts is None or self.counts.shape[0] != classes or self.counts.device != labels.device:
+            self.counts = torch.zeros(classes, device=labels.device)
+        self.counts.index_add_(0, labels.long(), torch.ones_like(labels, dtype=self.counts.dtype))
 
     def take(self, classes: int, device: torch.device | str) -> Tensor | None:
         """The counts ``(C,)`` on the host (summed over the ranks under DDP: a collective every rank
@@ -77,19 +83,46 @@ def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor |
     if labeled_classes < 2 or share <= COLLAPSE_SHARE or share < labeled_share + COLLAPSE_MARGIN:
         return share, None
     key = method.lower()
+    what, loss, cause, split, weight = _WORDING[key]
     message = (
-        f"{method}{where}: {share:.0%} of this epoch's {int(total)} guessed labels of unlabeled rows are class {top}, "
-        f"while the labeled set holds {labeled_classes} classes (class {top}: {labeled_share:.0%} of it). The "
-        "MixMatch loss trains every unlabeled row towards its guess (and LP-A3 preserves the guessed label in each "
-        "x'), so the network is learning one class for the unlabeled images. Likely causes: a guessing forward "
-        "whose BatchNorm statistics are not those of the batch that trains (the guess comes from a forward of the "
-        "unlabeled views alone; compare "
-        + ("`pes.guess_forward`" if key == "pes" else "`dividemix.guess_bn_updates`")
-        + "); a labeled set with few samples of the other classes (the split: "
-        + ("`train/labeled_share`, the class weights, `pes.class_weight_cap`" if key == "pes" else
-           "`train/<network>/labeled_share`, `dividemix.threshold`, `split_per_class`, `stratified_split`")
-        + "); an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`); the learning "
-        f"rate. Where to look: `{key}/guess_top_class_share` in the logger (TensorBoard) per epoch, and the "
-        "validation accuracy per class."
+        f"{method}{where}: {share:.0%} of this epoch's {int(total)} {what} are class {top}, while the labeled set holds "
+        f"{labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves those labels "
+        f"in each x'), so the network is learning one class for the unlabeled images. Likely causes: {cause}; a "
+        f"labeled set with few samples of the other classes ({split}); {weight}; the learning rate. Where to look: "
+        f"`{key}/{'pseudo_label' if key == 'fixmatch' else 'guess'}_top_class_share` in the logger (TensorBoard) per "
+        "epoch, and the validation accuracy per class."
     )
     return share, message
+
+
+#: per method: what the made labels are, how the loss uses them, the forward to check, the split, the weight
+_WORDING = {
+    "fixmatch": (
+        "confident pseudo-labels", "The unlabeled loss trains the strong view of each such row towards it",
+        "the weak view forwarded apart from the batch that trains (BatchNorm then normalises it by other statistics: "
+        "forward the labeled, weak and strong views together, as `fixmatch_loss` does)",
+        "the labeled split: labels per class", "an unlabeled weight too high for the labels (`lambda_u`)"),
+    "pes": (
+        "guessed labels of unlabeled rows", "The MixMatch loss trains every unlabeled row towards its guess",
+        "a guessing forward whose BatchNorm statistics are not those of the batch that trains (the guess comes from a "
+        "forward of the unlabeled views alone; compare `pes.guess_forward`)",
+        "`train/labeled_share`, the class weights, `pes.class_weight_cap`",
+        "an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`)"),
+    "dividemix": (
+        "guessed labels of unlabeled rows", "The MixMatch loss trains every unlabeled row towards its guess",
+        "a guessing forward whose BatchNorm statistics are not those of the batch that trains (the guess comes from a "
+        "forward of the unlabeled views alone; compare `dividemix.guess_bn_updates`)",
+        "`train/<network>/labeled_share`, `dividemix.threshold`, `split_per_class`, `stratified_split`",
+        "an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`)"),
+}
+
+
+def top_class_share(labels: Tensor, num_classes: int) -> Tensor:
+    """The largest class's share of ``labels`` (a device scalar, no host read; NaN for no labels).
+
+    Example:
+        >>> float(top_class_share(torch.tensor([1, 1, 1, 0]), 3))
+        0.75
+    """
+    counts = torch.bincount(labels.reshape(-1).long(), minlength=num_classes).float()
+    return counts.max() / counts.sum()  # 0 / 0 = NaN when nothing is counted

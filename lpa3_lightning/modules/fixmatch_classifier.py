@@ -62,7 +62,8 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
     Evaluate with EMA weights (decay 0.999) by adding Lightning's
     ``EMAWeightAveraging`` callback to the Trainer (the configs in ``configs/ssl/`` do). Logs
     ``train/loss``, ``train/mask_rate`` and the parts of the loss, ``val/acc`` and ``test/acc``
-    (torchmetrics).
+    (torchmetrics), and at each epoch's end ``fixmatch/pseudo_label_top_class_share`` (a warning
+    when the confident pseudo-labels collapse onto one class).
 
     Args:
         arch: ``"small_cnn"``, ``"wrn28_2"``, ``"wrn28_8"``, ``"wrn37_2"`` or ``"preact_resnet18"``.
@@ -131,6 +132,11 @@ class FixMatchClassifier(FixMatchLPA3Mixin, pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
         self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=batch_size)
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        # the largest class's share of the epoch's confident pseudo-labels (a warning if they collapse)
+        for name, value in self.fixmatch_pseudo_label_report().items():
+            self.log(name, value, sync_dist=True)  # (the same on every rank: the counts are all-reduced)
 
     def _evaluate(self, batch: Any, metric: MulticlassAccuracy, name: str) -> None:
         x, y, _ = split_indexed_batch(batch)

@@ -430,30 +430,45 @@ def test_a_train_mask_of_the_wrong_kind_is_refused_by_name(tmp_path):
             module, _loaders())
 
 
+class ReportingFixMatch(UserFixMatch):
+    """Reads the epoch's pseudo-label classes at each epoch's end, as the ready module does."""
+
+    def on_train_epoch_end(self) -> None:
+        self.reports = [*getattr(self, "reports", []), self.fixmatch_pseudo_label_report()]
+
+
 def test_pseudo_labels_collapsed_onto_one_class_are_logged_and_warned_about(tmp_path):
     """A network that answers class 1 with certainty for every unlabeled image, while the labeled batches
-    hold all three classes: the loss reports a top-class share of 1 and the mixin warns, naming the cause
-    to look for and the logged key."""
+    hold all three classes: the loss reports a top-class share of 1 each step, the epoch's report too,
+    and it warns, naming the cause to look for and the logged key."""
     pl.seed_everything(0)
-    module = UserFixMatch(num_unlabeled=64)
+    module = ReportingFixMatch(num_unlabeled=64)
     with torch.no_grad():
         module.net[-1].weight.zero_()
         module.net[-1].bias.copy_(torch.tensor([0.0, 20.0, 0.0]))
     module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.0)  # type: ignore[method-assign]
-    with pytest.warns(UserWarning, match=r"100% of the 64 confident pseudo-labels of epoch 0 .* are class 1.*"
-                                         r"3 classes.*weak view forwarded apart.*pseudo_label_top_class_share"):
+    with pytest.warns(UserWarning, match=r"FixMatch: 100% of this epoch's 64 confident pseudo-labels are class 1, "
+                                         r"while the labeled set holds 3 classes.*weak view forwarded apart.*"
+                                         r"fixmatch/pseudo_label_top_class_share"):
         _trainer(tmp_path, [], max_epochs=2).fit(module, _loaders())
     assert all(p["pseudo_label_top_class_share"] == 1.0 for p in module.parts)
+    assert module.reports == [{"fixmatch/pseudo_label_top_class_share": 1.0}] * 2
 
 
 def test_varied_pseudo_labels_give_no_collapse_warning(tmp_path):
+    """An oracle-like network: each class's images are brighter by one step, and the head reads the mean."""
     import warnings
 
     pl.seed_everything(0)
-    module = UserFixMatch(num_unlabeled=64)
+    module = ReportingFixMatch(num_unlabeled=64)
+    with torch.no_grad():  # indexed_images: class c has mean brightness c - 1
+        module.net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(1, NUM_CLASSES))
+        module.net[-1].weight.copy_(torch.tensor([[-40.0], [0.0], [40.0]]))
+        module.net[-1].bias.copy_(torch.tensor([-20.0, 0.0, -20.0]))
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.0)  # type: ignore[method-assign]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _trainer(tmp_path, [], max_epochs=2).fit(module, _loaders())
-    assert not [w for w in caught if "pseudo-labels of epoch" in str(w.message)]
-    shares = [p["pseudo_label_top_class_share"] for p in module.parts]
-    assert all(s != s or 1 / 3 <= s <= 1 for s in shares)  # NaN on a step without confident pseudo-labels
+    assert not [w for w in caught if "confident pseudo-labels are class" in str(w.message)]
+    shares = [r["fixmatch/pseudo_label_top_class_share"] for r in module.reports]
+    assert len(shares) == 2 and all(s < 0.6 for s in shares), shares  # three classes, each about a third
