@@ -40,8 +40,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import (  # noqa: E402
     apply_threads,
+    git_commit,
     load_results,
     mean_std,
+    paired_difference,
     run_sweep,
     sweep_arguments,
     worker_command,
@@ -93,6 +95,63 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
     return module, callback
 
 
+class NoisyTally:
+    """How right the labels that train the unlabeled rows are, against the clean labels (which never reach
+    the step): per epoch, ``guess_acc`` (the argmax of DivideMix's co-guess or PES's guess, over the rows
+    the network treats as unlabeled), ``xprime_acc`` (the labels the ``x'`` were solved for and trained
+    with), and the callback's ``selected_fraction`` and ``xprime_perceptual_distance`` (epoch means).
+    It wraps the module's guess and ``lpa3_take_augmented`` without changing what they return; the
+    callback's epoch means (of both networks' keys, for DivideMix) reach ``trainer.callback_metrics``
+    only after every epoch-end hook, so :meth:`callback_means` reads them at the next epoch's start."""
+
+    def __init__(self, module, clean_labels) -> None:
+        import torch
+
+        self.clean = torch.as_tensor(clean_labels)
+        self.counts = dict.fromkeys(("guessed", "guessed_right", "xprime", "xprime_right"), 0)
+        take = module.lpa3_take_augmented
+
+        def recording_take(*args, **kwargs):
+            augmented = take(*args, **kwargs)
+            if augmented is not None and len(augmented):
+                self.counts["xprime"] += len(augmented)
+                self.counts["xprime_right"] += int((augmented.targets.cpu() == self.clean[augmented.indices.cpu()]).sum())
+            return augmented
+
+        module.lpa3_take_augmented = recording_take
+        if hasattr(module, "dividemix_guess"):
+            guess_fn = module.dividemix_guess
+
+            def recording_guess(batch, network):
+                cached = module._dm_state()["guess"].get(network)
+                guess = guess_fn(batch, network)
+                if cached is None or cached[1] is not guess:  # count each batch's guess once
+                    idx = batch[3]
+                    labeled, _ = module._dm_labeled(network, idx)
+                    rows = idx[~labeled.to(idx.device)].cpu()
+                    self.counts["guessed"] += len(rows)
+                    self.counts["guessed_right"] += int((guess.argmax(1).cpu() == self.clean[rows]).sum())
+                return guess
+
+            module.dividemix_guess = recording_guess
+
+    def epoch(self) -> dict:
+        c, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return {"guess_acc": round(c["guessed_right"] / c["guessed"], 4) if c["guessed"] else None,
+                "xprime_acc": round(c["xprime_right"] / c["xprime"], 4) if c["xprime"] else None}
+
+    @staticmethod
+    def callback_means(trainer) -> dict:
+        """The LP-A3 callback's last epoch means of the selected share and the x' feature distance
+        (the mean over the networks' keys), None where it logged none."""
+        row = {}
+        for key, name in (("selected_fraction", "selected_fraction"), ("perceptual_distance", "xprime_perceptual_distance")):
+            values = [float(v) for k, v in trainer.callback_metrics.items()
+                      if k.startswith("lpa3/") and k.endswith(f"{key}_epoch") and float(v) == float(v)]
+            row[name] = round(statistics.mean(values), 4) if values else None
+        return row
+
+
 def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: int, refine: int, lambda_u: float,
         batch_size: int, out: Path, root: str | None) -> dict:
     import lightning.pytorch as pl
@@ -111,6 +170,7 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
     data.setup("test")
     actual_noise = float((data.noisy_train_labels != data.clean_train_labels).mean())
     module, lpa3 = build(method, data, epochs, warmup, refine, lambda_u)
+    tally = NoisyTally(module, data.clean_train_labels)
 
     class Curve(Callback):
         """Clean test accuracy after every epoch and the training wall time (evaluation excluded)."""
@@ -120,7 +180,12 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
             self.seconds = 0.0
 
         def on_train_epoch_start(self, trainer, pl_module):
+            if self.rows:  # the previous epoch's callback means are in callback_metrics now
+                self.rows[-1].update(tally.callback_means(trainer))
             self._start = time.perf_counter()  # includes the module's per-epoch split
+
+        def on_train_end(self, trainer, pl_module):
+            self.rows[-1].update(tally.callback_means(trainer))
 
         def on_train_epoch_end(self, trainer, pl_module):
             self.seconds += time.perf_counter() - self._start
@@ -133,7 +198,7 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
                     total += len(y)
             pl_module.train(was_training)
             self.rows.append({"epoch": trainer.current_epoch, "train_seconds": self.seconds,
-                              "test_acc": correct / total})
+                              "test_acc": correct / total, **tally.epoch()})
 
     curve = Curve()
     callbacks = [curve] + ([lpa3] if lpa3 is not None else [])
@@ -144,22 +209,58 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
     result = {"source": source, "rate": rate, "actual_noise": actual_noise, "method": method, "seed": seed,
               "epochs": epochs, "warmup": warmup, "refine": refine, "lambda_u": lambda_u, "batch_size": batch_size,
               "final_test_acc": curve.rows[-1]["test_acc"], "best_test_acc": max(r["test_acc"] for r in curve.rows),
-              "wall_seconds": curve.seconds, "curve": curve.rows}
+              "wall_seconds": curve.seconds, "curve": curve.rows, "torch_threads": torch.get_num_threads(),
+              "commit": git_commit()}
     write_result(path, result)
     return result
 
 
+def _run_mean(result: dict, key: str) -> float | None:
+    """The mean of a per-epoch column over the epochs that have it (None where none has)."""
+    values = [row[key] for row in result["curve"] if row.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+def _fmt(values: list) -> str:
+    values = [v for v in values if v is not None]
+    return mean_std(values) if values else "-"
+
+
 def summarize(results: list[dict]) -> str:
-    lines = ["| data set | noise | method | test acc (last epoch) | test acc (best epoch) | train wall s (per run) "
-             "| seeds | epochs |", "|---|---|---|---|---|---|---|---|"]
+    """Per data set and noise rate: each method's test accuracy (last and best epoch), why in numbers
+    (guessed labels right, x' labels right, the selected share, how far x' moved: means over the
+    epochs that have them) and the wall time; then each LP-A3 method against its base seed by seed
+    (paired: the same seed is the same noise, split and initial weights), with the 95% t interval of
+    the mean difference of the last-epoch accuracy and its verdict."""
+    lines = ["| data set | noise | method | seeds | test acc (last epoch) | test acc (best epoch) | guessed labels right "
+             "| x' labels right | selected share | x' feature distance | train wall s (per run) | epochs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for source, rate in sorted({(r["source"], r["rate"]) for r in results}):
-        for method in METHODS:
-            rs = [r for r in results if (r["source"], r["rate"], r["method"]) == (source, rate, method)]
+        by_method = {m: {r["seed"]: r for r in results if (r["source"], r["rate"], r["method"]) == (source, rate, m)}
+                     for m in METHODS}
+        for method, runs in by_method.items():
+            rs = list(runs.values())
             if rs:
-                lines.append(f"| {source} | {rate:.0%} sym | {method} | {mean_std([r['final_test_acc'] for r in rs])} | "
-                             f"{mean_std([r['best_test_acc'] for r in rs])} | "
-                             f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {len(rs)} | {rs[0]['epochs']} |")
-    return "\n".join(lines)
+                lines.append(
+                    f"| {source} | {rate:.0%} sym | {method} | {len(rs)} | {_fmt([r['final_test_acc'] for r in rs])} | "
+                    f"{_fmt([r['best_test_acc'] for r in rs])} | {_fmt([_run_mean(r, 'guess_acc') for r in rs])} | "
+                    f"{_fmt([_run_mean(r, 'xprime_acc') for r in rs])} | "
+                    f"{_fmt([_run_mean(r, 'selected_fraction') for r in rs])} | "
+                    f"{_fmt([_run_mean(r, 'xprime_perceptual_distance') for r in rs])} | "
+                    f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {rs[0]['epochs']} |")
+        for method, runs in by_method.items():
+            base = method.replace("_lpa3", "")
+            if "_lpa3" not in method or len(set(runs) & set(by_method.get(base, {}))) < 2:
+                continue
+            d = paired_difference({s: r["final_test_acc"] for s, r in by_method[base].items()},
+                                  {s: r["final_test_acc"] for s, r in runs.items()})
+            walls = [runs[s]["wall_seconds"] / by_method[base][s]["wall_seconds"] for s in d["seeds"]]
+            notes.append(f"{source} {rate:.0%}, {method} - {base} (last-epoch test acc, seeds {d['seeds']}): per seed "
+                         f"{' / '.join(f'{x:+.3f}' for x in d['diffs'])}; mean {d['mean']:+.3f} +- {d['std']:.3f}; "
+                         f"95% t interval [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]; above on {d['above']} of {d['n']}: "
+                         f"{d['verdict']}; wall time {statistics.mean(walls):.1f}x {base}'s")
+    return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def main() -> None:
