@@ -27,6 +27,14 @@ mean reuse epoch) / 10), and the floor of each: FixMatch's step + one training p
 (forward + backward, twin BN) + 5 x (forward + input-gradient backward) on the selected
 samples, the last divided by K when cached (the floor of the authors' cost: the default solves
 only the confident share, printed, and can go below it). Ratios are measured side by side in one run.
+``--designs`` times instead, in one process and round robin (the median of ``--reps`` rounds; a
+load that drifts during the run touches every design alike), the step without the solver under
+each design of the request's pseudo-labels: ``reference`` (FixMatch's step: one forward of the
+joint batch, its loss, the backward; the package's step without the callback), ``extra_forward``
+(the package's design with the callback: the same joint forward once more, without gradient,
+before the step) and ``reused_forward`` (the request's forward keeps its graph and the loss reuses
+it: the reference's operations, the graph held through the solver). The solver's work is the same
+under every design (the same rows, the same labels), so these differences are the designs' whole cost.
 ``--json PATH`` writes every configuration's result and the ratios above (rewritten as each
 configuration finishes, ``"complete": false`` until the last).
 """
@@ -172,6 +180,55 @@ def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k"
     return result
 
 
+def design_step_times(setting: str, reps: int) -> dict[str, float]:
+    """Median seconds of one FixMatch step without the solver under each design of the request's
+    pseudo-labels (see the module docstring), measured round robin in this process."""
+    import time
+
+    import torch
+
+    from lpa3_lightning import FixMatchClassifier
+
+    torch.manual_seed(0)
+    arch, (channels, size), batch_size, mu = SETTINGS[setting]
+    module = FixMatchClassifier(arch=arch, in_channels=channels, num_classes=10)
+    module.train()
+    g = torch.Generator().manual_seed(0)
+    weak = torch.randn(mu * batch_size, channels, size, size, generator=g)
+    batch = {"labeled": (torch.randn(batch_size, channels, size, size, generator=g),
+                         torch.randint(0, 10, (batch_size,), generator=g), torch.arange(batch_size)),
+             "unlabeled": (weak, weak + 0.5 * torch.randn(weak.shape, generator=g), torch.arange(mu * batch_size))}
+
+    def reference() -> None:
+        module.fixmatch_loss(batch)[0].backward()
+        module.zero_grad(set_to_none=True)
+
+    def extra_forward() -> None:
+        module.lpa3_request(batch)  # the package's request: the joint forward without gradient
+        reference()
+
+    def reused_forward() -> None:
+        held = module.fixmatch_forward(batch)  # the request's forward, graph kept
+        module.fixmatch_pseudo_labels(held[1])
+        original = module.fixmatch_forward
+        module.fixmatch_forward = lambda _batch: held  # type: ignore[method-assign]
+        try:
+            reference()
+        finally:
+            module.fixmatch_forward = original  # type: ignore[method-assign]
+
+    designs = {"reference": reference, "extra_forward": extra_forward, "reused_forward": reused_forward}
+    times: dict[str, list[float]] = {name: [] for name in designs}
+    for fn in designs.values():
+        fn()  # warm-up
+    for _ in range(reps):
+        for name, fn in designs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28)) -> tuple[float, float]:
     """(5 x (forward + input-gradient backward), one twin-BN training pass) on the selected share."""
     import torch
@@ -210,6 +267,10 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
                         help="which configurations to run (fixmatch and fixmatch_lpa3_all always run: the ratios "
                              "and the floor use them)")
+    parser.add_argument("--designs", action="store_true",
+                        help="time the step without the solver under each design of the request's pseudo-labels, "
+                             "round robin in one process, instead of the configurations")
+    parser.add_argument("--reps", type=int, default=20, help="rounds of --designs")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.epochs < 3:
@@ -219,6 +280,17 @@ def main() -> None:
         print(json.dumps(_worker(args.worker, args.epochs, args.accelerator, args.setting)))
         return
     import torch
+
+    if args.designs:
+        times = design_step_times(args.setting, args.reps)
+        print(f"torch {torch.__version__}, {device_label('cpu')}; FixMatch step without the solver, {args.setting}, "
+              f"median of {args.reps} rounds (round robin, one process)")
+        for name, seconds in times.items():
+            print(f"{name:15} {seconds:8.4f} s  {seconds / times['reference']:.2f}x the reference step")
+        if args.json:
+            write_result(args.json, {"script": "fixmatch_step", "designs": times, "setting": args.setting,
+                                     "reps": args.reps, "torch": torch.__version__})
+        return
 
     where = device_label(args.accelerator)
     arch, (channels, size), batch_size, mu = SETTINGS[args.setting]
