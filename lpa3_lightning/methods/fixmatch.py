@@ -139,9 +139,19 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         return request.inputs, request.targets, request.indices
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
+        """The weak view, its pseudo-labels (from the joint forward the step will make) and indices.
+
+        In an epoch where :meth:`lpa3_consumes_augmented` says no ``x'`` is trained (the LP-A3
+        term's warm-up, with ``solve_trained_only``) the callback solves nothing and reads no label,
+        so no forward is spent: the request carries label 0 for every row, and an all-False
+        ``train_mask``.
+        """
         _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
-        confidence, pseudo = self._request_pseudo_labels(batch)
         settings = self.lpa3_settings
+        if not self.lpa3_consumes_augmented(int(getattr(self, "current_epoch", 0))):
+            unused = torch.zeros(x_weak.shape[0], dtype=torch.long, device=x_weak.device)
+            return LPA3Request(inputs=x_weak, targets=unused, indices=idx, train_mask=unused.bool())
+        confidence, pseudo = self._request_pseudo_labels(batch)
         train_mask = None
         # the x' that fixmatch_loss will weigh above zero; under the authors' "batch_stats" forward
         # the x' batch's own statistics depend on every solved row, so all are solved there

@@ -173,7 +173,7 @@ def test_a_labeled_batch_without_its_index_is_named_as_the_labeled_part():
 # ------------------------------------------------------------------ a fit with the callback
 def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batch_once_more(tmp_path):
     """With the callback, one extra forward of FixMatch's joint batch a step (the request's pseudo-labels,
-    without gradient); without it, the reference's one."""
+    without gradient) once the LP-A3 term counts; in its warm-up and without the callback, the reference's one."""
     joint_forwards: dict[str, int] = {}
     steps: list[int] = []
 
@@ -196,14 +196,16 @@ def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batc
 
     for name in ("plain", "lpa3"):
         pl.seed_everything(0)
-        module = UserFixMatch(num_unlabeled=64, confidence=0.4)
+        module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.4)
         callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=2, seed=0, input_range=None)
         # the counter runs first: its hook sees the callback's request forward too
         trainer = _trainer(tmp_path, [CountsJointForwards(name), *([callback] if name == "lpa3" else [])],
                            max_epochs=2)
         trainer.fit(module, _loaders())
     assert len(steps) == 16
-    assert joint_forwards == {"plain": 8, "lpa3": 16}  # the solver's forwards take the selected weak rows only
+    # epoch 0 (the term's warm-up): no request forward; epoch 1: one a step. The solver's forwards take the
+    # selected weak rows only
+    assert joint_forwards == {"plain": 8, "lpa3": 4 + 8}
     tcs = callback.runner().tcs
     assert tcs is not None and tcs.num_samples == 64 and bool(tcs.seen.all())  # TCS over the unlabeled set
     assert sum(p["num_augmented"] for p in module.parts) > 0
