@@ -15,7 +15,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lpa3_lightning.callback.module_checks import (
     check_module,
@@ -25,6 +26,7 @@ from lpa3_lightning.callback.module_checks import (
 )
 from lpa3_lightning.callback.networks import NetworkView, module_networks
 from lpa3_lightning.callback.rank_agreement import agree, agreed_seed, consumes_of, same_on_every_rank
+from lpa3_lightning.callback.resume_point import ResumePoint, last_batch_checkpoint, resume_into_epoch_end
 from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
     CacheSettings,
@@ -173,6 +175,9 @@ class LPA3Callback(Callback):
         self._views: dict[str | None, Any] = {}
         self._base_seed: int | None = seed  # fixed at the first fit when None, then kept in checkpoints
         self._warned_no_range = [False]
+        # a fit resumed from a checkpoint of an epoch's last batch: the epoch's end it still owes
+        self._resume_point: ResumePoint | None = None  # Lightning runs it (a rewritten checkpoint)
+        self._unended_epoch: int | None = None  # Lightning skips it (a loader without state): the threshold
 
     # ------------------------------------------------------------------ what a user reads back
     def runner(self, network: str | None = None) -> NetworkRunner:
@@ -271,6 +276,12 @@ class LPA3Callback(Callback):
                     "shards."
                 )
             runner.start(settings, trainer, module, num_samples, num_classes)
+        if self._unended_epoch is not None:
+            # the pass ended on the checkpoint's batch, and Lightning resumes past its end: its threshold
+            # now, so that the next epoch selects by it (as the uninterrupted run did)
+            for runner, _ in self._each(pl_module):
+                runner.memory().refresh_threshold()
+            self._unended_epoch = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -286,6 +297,9 @@ class LPA3Callback(Callback):
             runner.finish(trainer, module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._resume_point is not None:
+            self._resume_point.epoch_end(trainer)
+            self._resume_point = None
         for runner, module in self._each(pl_module):
             if runner.tcs is not None:
                 runner.epoch_end(trainer, module)
@@ -297,6 +311,7 @@ class LPA3Callback(Callback):
         self._teardown(pl_module)
 
     def _teardown(self, pl_module: pl.LightningModule) -> None:
+        self._resume_point = self._unended_epoch = None
         # the twin anchor is for the DDP fit only; a file cache is deleted with its run. The
         # module's own networks, not the runners: a fit that failed before setup (a missing data
         # file) has no runner per network yet, and the error must stay the user's.
@@ -356,6 +371,8 @@ class LPA3Callback(Callback):
             runner.load_state_dict(networks[name])
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._resume_into_epoch_end(checkpoint)
         states = checkpoint.get("callbacks", {})
         others = [key for key, state in states.items() if key != self.state_key and is_lpa3_state(state)]
         if others and self.state_key not in states:
@@ -363,6 +380,27 @@ class LPA3Callback(Callback):
                 f"The checkpoint holds LP-A3 state under {others}, not under this callback's {self.state_key!r} "
                 "(its class, ratio, sigma, steps or layers differ): this callback starts with a fresh TCS memory. Fix: "
                 "resume with the callback class and settings the checkpoint was written with to continue its memory."
+            )
+
+    def _resume_into_epoch_end(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of an epoch's last batch (before the epoch's end) resumes into that end
+        (:mod:`~lpa3_lightning.callback.resume_point`); with a loader that keeps no state, Lightning
+        skips it: the callback ends its own part at the fit's start and says what was skipped."""
+        self._resume_point = resume_into_epoch_end(checkpoint)
+        if self._resume_point is not None:
+            rank_zero_info(f"LPA3Callback: the checkpoint was written on epoch {self._resume_point.epoch}'s last batch, "
+                           "before the epoch's end: the fit resumes into that end (its validation and "
+                           "on_train_epoch_end), which Lightning would skip.")
+        elif last_batch_checkpoint(checkpoint):
+            self._unended_epoch = int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+            rank_zero_warn(
+                f"The checkpoint was written on epoch {self._unended_epoch}'s last batch, before the epoch's end, and "
+                "the training loader keeps no state (or had ended its pass): Lightning resumes as if the epoch had ended, without its "
+                "validation, its on_train_epoch_end hooks and the next epoch's on_train_epoch_start (a resume there "
+                "would begin a new pass inside the finished epoch). LPA3Callback ends its own part (the selection "
+                "threshold). Fix: a training loader that keeps its position (lpa3_lightning.data.train_loader, or "
+                "torchdata's StatefulDataLoader): the resume then runs the epoch's end; or resume from a checkpoint "
+                "written at an epoch's end."
             )
 
 

@@ -1,10 +1,12 @@
 """Train, be killed mid-epoch (a real SIGKILL), resume: launched by tests/test_resume.py.
 
-    python tests/resume/run_resume.py OUT_DIR {full,killed,resume}
+    python tests/resume/run_resume.py OUT_DIR {full,killed,resume} [KILL_AT]
 
-'full' trains 3 epochs uninterrupted; 'killed' trains the same run and SIGKILLs itself at the
-start of global step KILL_AT (mid-epoch 1), after a checkpoint at every step; 'resume'
-continues from the last checkpoint. 'full' and 'resume' write OUT_DIR/final.pt.
+'full' trains 3 epochs of 3 steps uninterrupted; 'killed' trains the same run and SIGKILLs
+itself at the start of global step KILL_AT (default 5, the middle of epoch 1; 3 or 6, an
+epoch's first step: the last checkpoint is then the previous epoch's last batch), after a
+checkpoint at every step; 'resume' continues from the last checkpoint. 'full' and 'resume'
+write OUT_DIR/final.pt.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ EPOCHS = 3
 
 
 class KillAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == KILL_AT:
+        if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(out: Path, mode: str) -> None:
+def main(out: Path, mode: str, kill_at: int = KILL_AT) -> None:
     pl.seed_everything(0)
     module = TinyClassifier()
     # seed=None: the solver's base seed is fixed at the first fit and checkpointed; the x' cache
@@ -46,7 +51,7 @@ def main(out: Path, mode: str) -> None:
                                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1,
                                                  save_last=True)]
     if mode == "killed":
-        callbacks.append(KillAt())
+        callbacks.append(KillAt(kill_at))
     trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, deterministic=True, callbacks=callbacks,
                          logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
     loader = train_loader(indexed_images(48), batch_size=16, seed=0)
@@ -59,4 +64,4 @@ def main(out: Path, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], *(int(a) for a in sys.argv[3:]))
