@@ -94,7 +94,8 @@ class LPA3Callback(Callback):
             batch's noise comes from a generator seeded by (seed, rank, epoch, batch index), so
             every rank draws its own and a resumed run draws on each rank what an uninterrupted
             run draws there. None: a seed fixed at the first fit from ``torch.initial_seed()``
-            (the one ``seed_everything`` set) and kept in checkpoints. The callback never draws
+            (the one ``seed_everything`` set; under DDP rank 0's, broadcast to every rank) and
+            kept in checkpoints. The callback never draws
             from or restores torch's global random state.
         layers: feature layers (names or glob patterns of ``module.lpa3_model()``); None for the
             documented default.
@@ -243,9 +244,9 @@ class LPA3Callback(Callback):
             ValueError: ``runtime.cuda_graphs`` without the sync-free path, naming the fix.
         """
         if self._base_seed is None:
-            # (no draw from the global generator; 52 bits travel exactly through the float64 agreement)
+            # (no draw from the global generator; 52 bits, as the seeds of earlier versions)
             self._base_seed = torch.initial_seed() & (2**52 - 1)
-            if trainer.world_size > 1:  # rank 0's and rank 1's torch seeds may differ: every rank takes one
+            if trainer.world_size > 1:  # the ranks' torch seeds may differ: every rank takes rank 0's
                 self._base_seed = agreed_seed(self._base_seed)
         input_range = input_range_of(trainer, self.input_range, self._warned_no_range)
         sync_free = pl_module.device.type != "cpu" if self.runtime.sync_free == "auto" else bool(self.runtime.sync_free)

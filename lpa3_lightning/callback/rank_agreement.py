@@ -56,8 +56,10 @@ def agree(trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Pre
 
 
 def agreed_seed(seed: int) -> int:
-    """One seed for every rank, the largest of theirs (a collective; ``seed`` below 2**53)."""
-    return int(_max_over_ranks([float(seed)])[0])
+    """Rank 0's seed, on every rank (a broadcast from rank 0: a collective every rank joins)."""
+    value = torch.tensor([seed], dtype=torch.int64, device=communication_device())
+    dist.broadcast(value, src=0)
+    return int(value.item())
 
 
 def consumes_of(module: Any) -> Any:

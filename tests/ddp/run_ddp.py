@@ -21,13 +21,13 @@ the memory is split over the two ranks (rank 0's state assembles all of it, rank
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -203,6 +203,14 @@ class Recording(LPA3Callback):
         self._rank = trainer.global_rank
         self._patch_stages(True)
         super().on_train_start(trainer, pl_module)
+
+
+class SeedPerRank(Callback):
+    """Each rank's torch seed its own (1000 + rank) when the fit starts: after Lightning's DDP set-up,
+    which seeds every rank with ``seed_everything``'s seed again."""
+
+    def on_fit_start(self, trainer, pl_module):
+        torch.manual_seed(1000 + trainer.global_rank)
 
 
 SYNCED_FORWARDS = [0]  # train-mode SyncBatchNorm forwards of this process (the stand-in's count)
@@ -381,8 +389,6 @@ def main(out: Path, mode: str) -> None:
         module = UserModule(fault=None if mode == "user_module" else mode)
     else:
         module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
-    if mode == "seed_differs":  # each rank's torch seed its own; the callback's seed=None must still be one
-        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
     callback = Recording(ratio=0.5, steps=2, seed=None if mode == "seed_differs" else 0,
                          empty_rank=1 if mode == "empty_rank1" else None,
                          bad_rank=1 if mode == "bad_rank1" else None,
@@ -390,7 +396,10 @@ def main(out: Path, mode: str) -> None:
                          warmup_epochs=1 if user else 0,
                          cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1},
                          runtime={"sync_free": sync_free}, selection=layout)
-    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
+    callbacks: list = [callback]
+    if mode == "seed_differs":  # each rank's torch seed its own; the callback's seed=None must still be one
+        callbacks.insert(0, SeedPerRank())
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
     n = N_PADDED if mode == "padded" else N
