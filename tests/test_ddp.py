@@ -248,7 +248,11 @@ def test_a_user_written_module_trains_through_warmup_under_ddp(shared):
 @pytest.mark.parametrize("mode, reason", [("bad_index_rank1", "LPA3Request.indices` out of range"),
                                           ("crash_rank1", "lpa3_request failed on one rank"),
                                           # after the step's reduction: the rank withdraws from the memory's exchange
-                                          ("on_augmented_rank1", "on_augmented failed on one rank")])
+                                          ("on_augmented_rank1", "on_augmented failed on one rank"),
+                                          # at the fit's start, named by its setting
+                                          ("cache_dir_rank1", "`cache.dir`"),
+                                          # after the step's reduction, in the x' cache's exchange
+                                          ("cache_put_rank1", "x' cache write failed on one rank")])
 def test_a_refusal_on_one_rank_stops_every_rank(tmp_path, mode, reason):
     done = _run(tmp_path, mode)
     assert done.returncode != 0

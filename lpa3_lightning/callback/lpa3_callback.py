@@ -25,7 +25,13 @@ from lpa3_lightning.callback.module_checks import (
     input_range_of,
 )
 from lpa3_lightning.callback.networks import NetworkView, module_networks
-from lpa3_lightning.callback.rank_agreement import agree, agreed_seed, consumes_of, same_on_every_rank
+from lpa3_lightning.callback.rank_agreement import (
+    agree,
+    agreed_seed,
+    consumes_of,
+    fail_together,
+    same_on_every_rank,
+)
 from lpa3_lightning.callback.resume_point import ResumePoint, last_batch_checkpoint, resume_into_epoch_end
 from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
@@ -223,7 +229,7 @@ class LPA3Callback(Callback):
         names = module_networks(pl_module)
         declared: tuple[str | None, ...] = (None,) if names is None else names
         if tuple(self._runners) != declared:
-            self._runners = {name: NetworkRunner(name, k) for k, name in enumerate(declared)}
+            self._runners = {name: NetworkRunner(name, k, len(declared)) for k, name in enumerate(declared)}
         self._views = {} if names is None else {name: NetworkView(pl_module, name) for name in names}
         for _, module in self._each(pl_module):
             check_module(module, self.layers, self.solver.attack_bn)
@@ -276,7 +282,12 @@ class LPA3Callback(Callback):
                     "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank "
                     "shards."
                 )
-            runner.start(settings, trainer, module, num_samples, num_classes)
+            error = None
+            try:
+                runner.start(settings, trainer, module, num_samples, num_classes)
+            except Exception as exc:  # (an unusable cache folder on one rank: every rank stops, with the reason)
+                error = exc
+            fail_together(trainer, error)
         if self._unended_epoch is not None:
             # the pass ended on the checkpoint's batch, and Lightning resumes past its end: its threshold
             # now, so that the next epoch selects by it (as the uninterrupted run did)

@@ -67,12 +67,15 @@ class NetworkRunner:
         name: the network's name, or None.
         position: the network's place in the module's ``lpa3_networks()``: offsets its noise
             seed and its first random selection, so that two networks draw independently.
+        networks: how many networks the module has: each network's ``x'`` cache keeps to its
+            share of ``cache.max_bytes``.
     """
 
     NETWORK_SEED_STRIDE = 7919  # seed offset between the networks of a module with several
 
-    def __init__(self, name: str | None = None, position: int = 0) -> None:
+    def __init__(self, name: str | None = None, position: int = 0, networks: int = 1) -> None:
         self.name = name
+        self.networks = networks
         self.offset = self.NETWORK_SEED_STRIDE * position
         self.prefix = "lpa3/" if name is None else f"lpa3/{name}/"
         self.metric_prefix = "_lpa3_" if name is None else f"_lpa3_{name}_"
@@ -125,9 +128,13 @@ class NetworkRunner:
         c = s.cache
         self.store = None
         if c.regenerate_every_n_epochs > 1:
-            self.store = AugmentationCache(num_samples, c.regenerate_every_n_epochs, c.max_bytes,
-                                           c.dir or Path(trainer.default_root_dir) / "lpa3_cache",
-                                           device=module.device if c.on_device else "cpu")
+            folder = c.dir or Path(trainer.default_root_dir) / "lpa3_cache"
+            # now, by name, not at the first x' written (after the warm-up) as the OS's error
+            AugmentationCache.check_directory(folder, "cache.dir" if c.dir else
+                                              "cache.dir (None: <trainer.default_root_dir>/lpa3_cache)")
+            # max_bytes bounds the whole cache of a process: each network's store keeps to its share
+            self.store = AugmentationCache(num_samples, c.regenerate_every_n_epochs, c.max_bytes // self.networks,
+                                           folder, device=module.device if c.on_device else "cpu")
             if state is not None and state["cache"] is not None:
                 self.store.load_state_dict(state["cache"])
 
@@ -203,12 +210,15 @@ class NetworkRunner:
         if not prepared.consumes:
             return
         request, augmented = prepared.request, prepared.augmented
+        gathered = None
         if self.store is not None:  # collective under DDP: every rank stores every rank's new x'
             new_rows = prepared.new_rows
             if new_rows is None:
                 new_rows = (request.indices[:0], request.inputs[:0].detach(), request.targets[:0])  # type: ignore
-            self.store.put(*gather_rows(*new_rows), epoch=trainer.current_epoch)
+            gathered = gather_rows(*new_rows)
         try:
+            if gathered is not None:  # (a failed write, a full disk, stops every rank with its reason)
+                self.store.put(*gathered, epoch=trainer.current_epoch)
             module.lpa3_set_augmented(augmented)
             on_augmented(trainer, module, augmented)
             log = self.log
