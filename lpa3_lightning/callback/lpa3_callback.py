@@ -312,9 +312,10 @@ class LPA3Callback(Callback):
         if self._resume_point is not None:
             self._resume_point.epoch_end(trainer)
             self._resume_point = None
+        pass_over = _pass_over(trainer)
         for runner, module in self._each(pl_module):
             if runner.tcs is not None:
-                runner.epoch_end(trainer, module)
+                runner.epoch_end(trainer, module, pass_over)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._teardown(pl_module)
@@ -414,6 +415,13 @@ class LPA3Callback(Callback):
                 "torchdata's StatefulDataLoader): the resume then runs the epoch's end; or resume from a checkpoint "
                 "written at an epoch's end."
             )
+
+
+def _pass_over(trainer: pl.Trainer) -> bool:
+    """Whether the ending epoch went through its training batches (not stopped mid-epoch by
+    ``max_steps`` or ``trainer.should_stop``; ``limit_train_batches`` counts)."""
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(batches.is_last_batch) or batches.current.ready >= trainer.num_training_batches
 
 
 def _input_range_shaped(input_range: Any) -> bool:

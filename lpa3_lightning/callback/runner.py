@@ -294,8 +294,10 @@ class NetworkRunner:
         probs = torch.softmax(logits.float() / s.solver.temperature, dim=1)
         memory.update(indices, probs, targets, epoch=trainer.current_epoch, check_values=not s.sync_free)
 
-    def epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
-        """Refresh the selection threshold; log the epoch's counts (and the grid when due)."""
+    def epoch_end(self, trainer: pl.Trainer, module: Any, pass_over: bool = True) -> None:
+        """Refresh the selection threshold when the epoch's pass is over; log the epoch's counts
+        (and the grid when due). A fit stopped mid-epoch (``max_steps``, ``trainer.should_stop``)
+        ends an epoch whose pass is not over: its threshold stays the last pass's, unlogged."""
         s, memory = self._settings(), self.memory()
         refused, nonfinite = (int(v) for v in torch.stack([memory.refused_rows, memory.nonfinite_rows]).tolist())
         memory.refused_rows.zero_()
@@ -310,14 +312,16 @@ class NetworkRunner:
                 "and the inputs (lpa3/nonfinite_inputs), lower the learning rate (this warning is given once a fit)."
             )
         self._check_coverage()
-        memory.refresh_threshold()
+        if pass_over:
+            memory.refresh_threshold()
         every = s.logging.images_every_n_epochs
         if every and trainer.current_epoch % every == 0:
             grid = log_grid(trainer, module, self.augmenter, self.prefix, s.logging.num_images,  # type: ignore[arg-type]
                             self._warned["grid"])
             self.last_grid = grid if grid is not None else self.last_grid
         model = unwrap_compiled(module.lpa3_model())
-        self.log.epoch_end(module, nonfinite, float(memory.threshold) if memory.has_threshold else None,  # type: ignore
+        threshold = float(memory.threshold) if memory.has_threshold and pass_over else None
+        self.log.epoch_end(module, nonfinite, threshold,  # type: ignore[union-attr]
                            s.sigma, resolve_bn_mode(model, s.solver.attack_bn))
 
     def _check_coverage(self) -> None:
