@@ -14,10 +14,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lpa3_lightning.callback.checkpoint_io import AtomicCheckpointIO
 from lpa3_lightning.callback.module_checks import (
     check_module,
     check_synced_batchnorm,
@@ -86,6 +88,12 @@ class LPA3Callback(Callback):
     Under DDP each step makes one reduction, which carries every rank's failure and its module's
     answer of :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented`: a rank
     that fails stops every rank, and an answer that differs between ranks is refused on every rank.
+
+    Resuming: a checkpoint written on an epoch's last batch resumes into that epoch's end
+    (:mod:`~lpa3_lightning.callback.resume_point`), and where the Trainer uses Lightning's default
+    checkpoint writer the callback puts
+    :class:`~lpa3_lightning.callback.checkpoint_io.AtomicCheckpointIO` in its place (a kill
+    while a checkpoint is written leaves the previous one).
 
     Args:
         ratio: fraction of samples given LP-A3 (tau), in (0, 1].
@@ -226,6 +234,9 @@ class LPA3Callback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, nobody else's
+            # a kill while a checkpoint is written must leave the previous one (callback/checkpoint_io.py)
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         names = module_networks(pl_module)
         declared: tuple[str | None, ...] = (None,) if names is None else names
         if tuple(self._runners) != declared:
