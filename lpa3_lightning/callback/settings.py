@@ -151,7 +151,9 @@ class CacheSettings:
         dir: the file's folder (checked when the fit starts); None:
             ``<trainer.default_root_dir>/lpa3_cache``.
         on_device: keep an in-memory cache beside the model (GPU memory on a GPU).
-        in_checkpoint: save the in-memory cache in checkpoints (False: a resumed run regenerates).
+        in_checkpoint: save the cache's entries in checkpoints, from memory or from its file, for
+            an exact resume (a checkpoint then holds up to the cache's size); False: a resumed
+            run regenerates them.
     """
 
     regenerate_every_n_epochs: int = 1

@@ -15,10 +15,9 @@ host, where the plan step reads them). When the GPU has less than twice the stor
 stays in host memory, with a warning; at the end of a fit the callback moves it there
 (:meth:`AugmentationCache.offload`). Each entry
 keeps the label it was solved for and is reused only for that label (pseudo-labels change
-between epochs). The in-memory store is checkpointed only when asked
-(``state_dict(include_inputs=True)``; it can be as large as ``max_bytes``, and a restored store
-larger than ``max_bytes`` goes to a file); a file store never is, since the file keeps changing
-after the checkpoint. The file's name is removed as soon as it is mapped, so no run leaves it
+between epochs). The store's entries are checkpointed only when asked
+(``state_dict(include_inputs=True)``: a copy, from memory or from the file, as large as the
+store; a restored store larger than ``max_bytes`` goes to a file). The file's name is removed as soon as it is mapped, so no run leaves it
 behind, however it ends (SIGKILL included); :meth:`close` releases the mapping (the callback
 calls it at the end of fit and on an exception). A store that was not saved restarts empty on
 resume (its entries are regenerated). ``max_bytes`` bounds one store: the callback gives each
@@ -216,10 +215,10 @@ class AugmentationCache:
             self.file = None
 
     def state_dict(self, include_inputs: bool = False) -> dict[str, Any]:
-        """With ``include_inputs`` an in-memory store travels in the checkpoint (exact resume);
-        otherwise, and always for a file store (not a snapshot: the run keeps overwriting it),
-        the resumed cache starts empty."""
-        saved = include_inputs and self.storage is not None and self.file is None
+        """With ``include_inputs`` the store's entries travel in the checkpoint, copied out of
+        memory or out of the file (a snapshot: the run keeps writing the file), for an exact
+        resume; otherwise the resumed cache starts empty."""
+        saved = include_inputs and self.storage is not None
         return {
             "version": _STATE_VERSION,
             "num_samples": self.num_samples,

@@ -173,3 +173,18 @@ def test_an_unusable_folder_is_refused_by_name(tmp_path):
             AugmentationCache.check_directory(folder, "cache.dir")
     AugmentationCache.check_directory(tmp_path / "new" / "cache", "cache.dir")  # creatable: fine
     assert not (tmp_path / "new").exists()  # (and nothing was created)
+
+
+def test_a_file_store_travels_in_the_checkpoint_when_asked(tmp_path):
+    """``include_inputs`` (``cache.in_checkpoint=True``) snapshots a memory-mapped store too, so a
+    resume with a file cache is exact; restored over max_bytes it is a file again."""
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "a")
+    x = torch.randn(2, 3)
+    cache.put(torch.tensor([5, 1]), x, epoch=0)
+    state = cache.state_dict(include_inputs=True)
+    assert state["storage"] is not None and torch.equal(state["storage"][torch.tensor([5, 1])], x)
+    restored = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "b")
+    restored.load_state_dict(state)
+    assert restored.file is not None and restored.fresh(torch.tensor([5, 1]), epoch=1).all()
+    assert torch.equal(restored.get(torch.tensor([5, 1])), x)
+    assert cache.state_dict()["storage"] is None  # not asked: the resumed run regenerates them
