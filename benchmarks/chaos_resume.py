@@ -317,7 +317,7 @@ def _last_step(out: Path) -> int | None:
         return None
     try:
         return int(torch.load(path, weights_only=False, map_location="cpu")["global_step"])
-    except Exception:
+    except Exception:  # noqa: BLE001 (any failure to load is the finding: an unusable checkpoint)
         return -1
 
 

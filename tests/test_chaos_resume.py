@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.chaos_resume import POINTS, SCENARIOS, Kill, draw_schedule, differences
+from benchmarks.chaos_resume import POINTS, SCENARIOS, Kill, differences, draw_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.ddp
