@@ -284,8 +284,8 @@ def run_scenario(name: str, kills: list[Kill], out: Path) -> bool:
         hit = bool(noted) and noted[-1].startswith(kill.spec())
         after = _last_step(chaos)
         line = f"  kill {kill}: exit {code}, {'killed there' if hit else 'NOT KILLED THERE'}; last.ckpt step {before} -> {after}"
-        if kill.point == "checkpoint_write":
-            usable = after == kill.step - 1
+        if kill.point == "checkpoint_write":  # the last.ckpt of the step before (none before the first)
+            usable = after == (kill.step - 1 if kill.step > 1 else None)
             line += f"; interrupted write left the previous checkpoint {'usable' if usable else 'UNUSABLE'}"
             ok &= usable
         if cache == "file":
