@@ -91,6 +91,7 @@ class NetworkRunner:
         self._measuring = False  # whether this batch's diagnostics are measured (decided at its start)
         self._warned = {"grid": [False], "nonfinite_inputs": False, "nonfinite_predictions": False}
         self._deferred: Exception | None = None  # a hand-over failure, raised at the step's memory exchange
+        self._restored_layers: list[str] | None = None  # the feature layers a resumed checkpoint's fit resolved
 
     @property
     def solver_graphs(self) -> Any:
@@ -112,6 +113,12 @@ class NetworkRunner:
         device = module.device if s.sync_free else torch.device("cpu")
         state, self.pending_state = self.pending_state, None
         earlier, fresh = self.tcs, self._new_memory(num_samples, num_classes, device)
+        # the feature layers the checkpoint's fit resolved for this `layers` setting: its state keeps
+        # naming them until this fit resolves its own (at its first solve; a resume into an epoch's
+        # end may have none)
+        saved = state.get("settings") if state is not None else None
+        same = saved is not None and saved.get("layers_setting", "unknown") == _as_list(s.layers)
+        self._restored_layers = saved.get("layers") if same else None
         if state is not None:
             fresh.load_state_dict(state["tcs"])  # refuses a data set of another size
             self.augment_start = state["augment_start"]
@@ -363,7 +370,8 @@ class NetworkRunner:
         if state["tcs"] is None:
             self.pending_state = None
             return
-        self.pending_state = {"tcs": state["tcs"], "cache": state["cache"], "augment_start": state["augment_start"]}
+        self.pending_state = {"tcs": state["tcs"], "cache": state["cache"], "augment_start": state["augment_start"],
+                              "settings": state.get("settings")}
 
     def solver_settings(self) -> dict[str, Any] | None:
         """The settings the solver ran with, as plain values (saved in checkpoints, so that
@@ -371,11 +379,15 @@ class NetworkRunner:
         if self.settings is None:
             return None
         s, solver = self.settings, self.settings.solver
-        layers = self.augmenter.layer_names if self.augmenter is not None and self.augmenter.layer_names else s.layers
+        layers = self.augmenter.layer_names if self.augmenter is not None and self.augmenter.layer_names else None
         return {"sigma": s.sigma, "steps": s.steps, "lam": solver.lam, "temperature": solver.temperature,
                 "max_step": solver.max_step, "attack_bn": solver.attack_bn, "project": solver.project,
                 "fast": solver.fast, "allow_tf32": solver.allow_tf32,
-                "layers": None if layers is None else ([layers] if isinstance(layers, str) else list(layers))}
+                "layers": _as_list(layers or self._restored_layers or s.layers), "layers_setting": _as_list(s.layers)}
+
+
+def _as_list(layers: Any) -> list[str] | None:
+    return None if layers is None else ([layers] if isinstance(layers, str) else list(layers))
 
 
 def _kept(earlier: TimeConsistency, fresh: TimeConsistency) -> TimeConsistency:

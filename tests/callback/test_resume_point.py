@@ -66,6 +66,10 @@ class Trace(Callback):
         self._event(trainer, "epoch_end", trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0],
                     float(_lpa3(trainer).runner().tcs.threshold))
 
+    def on_train_end(self, trainer, pl_module):
+        # the solver settings the callback's state names (the feature layers its fit resolved)
+        self.final_settings = _lpa3(trainer).runner().solver_settings()
+
     def state_dict(self) -> dict[str, Any]:
         return {"at": len(self.events)}
 
@@ -101,6 +105,8 @@ def test_a_resume_from_any_checkpoint_runs_the_hooks_of_the_uninterrupted_fit(tm
     for ckpt in checkpoints:
         resumed = _fit(tmp_path / ckpt.stem, check_val_every_n_epoch, ckpt)
         assert resumed.events == full.events[resumed.resumed_at:], ckpt.name
+        # (from the last batch's checkpoint nothing is solved after the resume: the checkpoint's layers)
+        assert resumed.final_settings == full.final_settings, ckpt.name
 
 
 def test_a_loader_without_state_resumed_from_a_last_batch_checkpoint_ends_the_lpa3_epoch_and_warns(tmp_path):
