@@ -15,13 +15,15 @@ from lpa3_lightning.data.ssl_transforms import (
     strong_transform,
     weak_transform,
 )
+from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.train_loader import EpochSampler, train_loader
 
 __all__ = [
     "ASYMMETRIC_MAPPINGS", "NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset", "load_noisy_labels",
     "noisy_labels", "save_noisy_labels",
     "Cutout", "EMBEDDED_DATA_DIR", "EpochSampler", "FixMatchRandAugment", "IndexedDataset", "LabeledDataset",
-    "MedMNISTDataModule", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "UnlabeledDataset", "eval_transform",
+    "MedMNISTDataModule", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "SplitBalancedSampler",
+    "UnlabeledDataset", "eval_transform",
     "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",
     "train_loader", "weak_transform",
 ]
