@@ -286,7 +286,8 @@ def run_scenario(name: str, kills: list[Kill], out: Path) -> bool:
         line = f"  kill {kill}: exit {code}, {'killed there' if hit else 'NOT KILLED THERE'}; last.ckpt step {before} -> {after}"
         if kill.point == "checkpoint_write":  # the last.ckpt of the step before (none before the first)
             usable = after == (kill.step - 1 if kill.step > 1 else None)
-            line += f"; interrupted write left the previous checkpoint {'usable' if usable else 'UNUSABLE'}"
+            kept = "the previous checkpoint usable" if kill.step > 1 else "no last.ckpt (there was none before)"
+            line += f"; the interrupted write left {kept if usable else 'an UNUSABLE or wrong last.ckpt'}"
             ok &= usable
         if cache == "file":
             left = sorted(p.name for p in (chaos / "cache").glob("*")) if (chaos / "cache").exists() else []
