@@ -19,6 +19,9 @@ loaders' state, or whose loader had already ended its pass, is left as it is
 
 One counter remains: Lightning counts the logging step of the finished batch after its
 validation, which it skips when validation is not due; :meth:`ResumePoint.epoch_end` sets it.
+Not rerun, as after any checkpoint written in ``on_train_batch_end`` (Lightning's behaviour):
+the module's own ``on_train_batch_end`` of the checkpoint's batch, and, when no validation is
+due, a ``ReduceLROnPlateau`` stepped every step.
 """
 
 from __future__ import annotations
