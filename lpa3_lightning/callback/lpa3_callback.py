@@ -296,7 +296,7 @@ class LPA3Callback(Callback):
             error = None
             try:
                 runner.start(settings, trainer, module, num_samples, num_classes)
-            except Exception as exc:  # (an unusable cache folder on one rank: every rank stops, with the reason)
+            except Exception as exc:  # noqa: BLE001 (any failure on one rank, an unusable cache folder: every rank stops)
                 error = exc
             fail_together(trainer, error)
         if self._unended_epoch is not None:

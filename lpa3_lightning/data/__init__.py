@@ -7,6 +7,7 @@ from lpa3_lightning.data.label_split import load_label_split, save_label_split, 
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
 from lpa3_lightning.data.noisy_labels import NOISY_LABEL_SOURCES, NoisyLabelDataModule, TwoViewNoisyDataset
 from lpa3_lightning.data.semi_supervised import SEMI_SUPERVISED_SOURCES, SemiSupervisedDataModule
+from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.ssl_datasets import LabeledDataset, UnlabeledDataset, load_mnist5k
 from lpa3_lightning.data.ssl_transforms import (
     Cutout,
@@ -15,7 +16,6 @@ from lpa3_lightning.data.ssl_transforms import (
     strong_transform,
     weak_transform,
 )
-from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.train_loader import EpochSampler, train_loader
 
 __all__ = [
