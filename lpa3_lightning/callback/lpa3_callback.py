@@ -14,9 +14,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lpa3_lightning.callback.checkpoint_io import AtomicCheckpointIO
 from lpa3_lightning.callback.module_checks import (
     check_module,
     check_synced_batchnorm,
@@ -24,7 +27,14 @@ from lpa3_lightning.callback.module_checks import (
     input_range_of,
 )
 from lpa3_lightning.callback.networks import NetworkView, module_networks
-from lpa3_lightning.callback.rank_agreement import agree, agreed_seed, consumes_of, same_on_every_rank
+from lpa3_lightning.callback.rank_agreement import (
+    agree,
+    agreed_seed,
+    consumes_of,
+    fail_together,
+    same_on_every_rank,
+)
+from lpa3_lightning.callback.resume_point import ResumePoint, last_batch_checkpoint, resume_into_epoch_end
 from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
     CacheSettings,
@@ -79,6 +89,12 @@ class LPA3Callback(Callback):
     answer of :meth:`~lpa3_lightning.mixins.LPA3ModuleMixin.lpa3_consumes_augmented`: a rank
     that fails stops every rank, and an answer that differs between ranks is refused on every rank.
 
+    Resuming: a checkpoint written on an epoch's last batch resumes into that epoch's end
+    (:mod:`~lpa3_lightning.callback.resume_point`), and where the Trainer uses Lightning's default
+    checkpoint writer the callback puts
+    :class:`~lpa3_lightning.callback.checkpoint_io.AtomicCheckpointIO` in its place (a kill
+    while a checkpoint is written leaves the previous one).
+
     Args:
         ratio: fraction of samples given LP-A3 (tau), in (0, 1].
         sigma: the label-preserving margin on ``log p`` (0.02 for MedMNIST in the paper).
@@ -92,7 +108,8 @@ class LPA3Callback(Callback):
             batch's noise comes from a generator seeded by (seed, rank, epoch, batch index), so
             every rank draws its own and a resumed run draws on each rank what an uninterrupted
             run draws there. None: a seed fixed at the first fit from ``torch.initial_seed()``
-            (the one ``seed_everything`` set) and kept in checkpoints. The callback never draws
+            (the one ``seed_everything`` set; under DDP rank 0's, broadcast to every rank) and
+            kept in checkpoints. The callback never draws
             from or restores torch's global random state.
         layers: feature layers (names or glob patterns of ``module.lpa3_model()``); None for the
             documented default.
@@ -173,6 +190,9 @@ class LPA3Callback(Callback):
         self._views: dict[str | None, Any] = {}
         self._base_seed: int | None = seed  # fixed at the first fit when None, then kept in checkpoints
         self._warned_no_range = [False]
+        # a fit resumed from a checkpoint of an epoch's last batch: the epoch's end it still owes
+        self._resume_point: ResumePoint | None = None  # Lightning runs it (a rewritten checkpoint)
+        self._unended_epoch: int | None = None  # Lightning skips it (a loader without state): the threshold
 
     # ------------------------------------------------------------------ what a user reads back
     def runner(self, network: str | None = None) -> NetworkRunner:
@@ -214,10 +234,13 @@ class LPA3Callback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, nobody else's
+            # a kill while a checkpoint is written must leave the previous one (callback/checkpoint_io.py)
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         names = module_networks(pl_module)
         declared: tuple[str | None, ...] = (None,) if names is None else names
         if tuple(self._runners) != declared:
-            self._runners = {name: NetworkRunner(name, k) for k, name in enumerate(declared)}
+            self._runners = {name: NetworkRunner(name, k, len(declared)) for k, name in enumerate(declared)}
         self._views = {} if names is None else {name: NetworkView(pl_module, name) for name in names}
         for _, module in self._each(pl_module):
             check_module(module, self.layers, self.solver.attack_bn)
@@ -238,9 +261,9 @@ class LPA3Callback(Callback):
             ValueError: ``runtime.cuda_graphs`` without the sync-free path, naming the fix.
         """
         if self._base_seed is None:
-            # (no draw from the global generator; 52 bits travel exactly through the float64 agreement)
+            # (no draw from the global generator; 52 bits, as the seeds of earlier versions)
             self._base_seed = torch.initial_seed() & (2**52 - 1)
-            if trainer.world_size > 1:  # rank 0's and rank 1's torch seeds may differ: every rank takes one
+            if trainer.world_size > 1:  # the ranks' torch seeds may differ: every rank takes rank 0's
                 self._base_seed = agreed_seed(self._base_seed)
         input_range = input_range_of(trainer, self.input_range, self._warned_no_range)
         sync_free = pl_module.device.type != "cpu" if self.runtime.sync_free == "auto" else bool(self.runtime.sync_free)
@@ -270,7 +293,18 @@ class LPA3Callback(Callback):
                     "the same dataset with global indices (Lightning's DistributedSampler does this), not per-rank "
                     "shards."
                 )
-            runner.start(settings, trainer, module, num_samples, num_classes)
+            error = None
+            try:
+                runner.start(settings, trainer, module, num_samples, num_classes)
+            except Exception as exc:  # noqa: BLE001 (any failure on one rank, an unusable cache folder: every rank stops)
+                error = exc
+            fail_together(trainer, error)
+        if self._unended_epoch is not None:
+            # the pass ended on the checkpoint's batch, and Lightning resumes past its end: its threshold
+            # now, so that the next epoch selects by it (as the uninterrupted run did)
+            for runner, _ in self._each(pl_module):
+                runner.memory().refresh_threshold()
+            self._unended_epoch = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -286,9 +320,13 @@ class LPA3Callback(Callback):
             runner.finish(trainer, module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._resume_point is not None:
+            self._resume_point.epoch_end(trainer)
+            self._resume_point = None
+        pass_over = _pass_over(trainer)
         for runner, module in self._each(pl_module):
             if runner.tcs is not None:
-                runner.epoch_end(trainer, module)
+                runner.epoch_end(trainer, module, pass_over)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._teardown(pl_module)
@@ -297,6 +335,7 @@ class LPA3Callback(Callback):
         self._teardown(pl_module)
 
     def _teardown(self, pl_module: pl.LightningModule) -> None:
+        self._resume_point = self._unended_epoch = None
         # the twin anchor is for the DDP fit only; a file cache is deleted with its run. The
         # module's own networks, not the runners: a fit that failed before setup (a missing data
         # file) has no runner per network yet, and the error must stay the user's.
@@ -356,6 +395,8 @@ class LPA3Callback(Callback):
             runner.load_state_dict(networks[name])
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._resume_into_epoch_end(checkpoint)
         states = checkpoint.get("callbacks", {})
         others = [key for key, state in states.items() if key != self.state_key and is_lpa3_state(state)]
         if others and self.state_key not in states:
@@ -364,6 +405,34 @@ class LPA3Callback(Callback):
                 "(its class, ratio, sigma, steps or layers differ): this callback starts with a fresh TCS memory. Fix: "
                 "resume with the callback class and settings the checkpoint was written with to continue its memory."
             )
+
+    def _resume_into_epoch_end(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of an epoch's last batch (before the epoch's end) resumes into that end
+        (:mod:`~lpa3_lightning.callback.resume_point`); with a loader that keeps no state, Lightning
+        skips it: the callback ends its own part at the fit's start and says what was skipped."""
+        self._resume_point = resume_into_epoch_end(checkpoint)
+        if self._resume_point is not None:
+            rank_zero_info(f"LPA3Callback: the checkpoint was written on epoch {self._resume_point.epoch}'s last batch, "
+                           "before the epoch's end: the fit resumes into that end (its validation and "
+                           "on_train_epoch_end), which Lightning would skip.")
+        elif last_batch_checkpoint(checkpoint):
+            self._unended_epoch = int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+            rank_zero_warn(
+                f"The checkpoint was written on epoch {self._unended_epoch}'s last batch, before the epoch's end, and "
+                "the training loader keeps no state (or had ended its pass): Lightning resumes as if the epoch had ended, without its "
+                "validation, its on_train_epoch_end hooks and the next epoch's on_train_epoch_start (a resume there "
+                "would begin a new pass inside the finished epoch). LPA3Callback ends its own part (the selection "
+                "threshold). Fix: a training loader that keeps its position (lpa3_lightning.data.train_loader, or "
+                "torchdata's StatefulDataLoader): the resume then runs the epoch's end; or resume from a checkpoint "
+                "written at an epoch's end."
+            )
+
+
+def _pass_over(trainer: pl.Trainer) -> bool:
+    """Whether the ending epoch went through its training batches (not stopped mid-epoch by
+    ``max_steps`` or ``trainer.should_stop``; ``limit_train_batches`` counts)."""
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(batches.is_last_batch) or batches.current.ready >= trainer.num_training_batches
 
 
 def _input_range_shaped(input_range: Any) -> bool:

@@ -1,6 +1,7 @@
 """The step's one reduction over the processes: every rank's failure and every network's
-``lpa3_consumes_augmented`` answer, agreed before any of the step's collectives (and the check
-at a fit's start that every rank has the same data set sizes)."""
+``lpa3_consumes_augmented`` answer, agreed before any of the step's collectives; and, at a fit's
+start, the check that every rank has the same data set sizes, any rank's failure to start and
+rank 0's seed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from lpa3_lightning.callback.runner import Prepared
 from lpa3_lightning.core.distributed import communication_device
 
-__all__ = ["agree", "agreed_seed", "consumes_of", "same_on_every_rank"]
+__all__ = ["agree", "agreed_seed", "consumes_of", "fail_together", "same_on_every_rank"]
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -55,9 +56,27 @@ def agree(trainer: pl.Trainer, pl_module: pl.LightningModule, prepared: list[Pre
             )
 
 
+def fail_together(trainer: pl.Trainer, error: Exception | None) -> None:
+    """Outside the steps (the fit's start): raise on every rank when any rank failed (one reduction).
+
+    Raises:
+        This rank's ``error``; RuntimeError when another rank failed.
+    """
+    failed = error is not None
+    if trainer.world_size > 1:
+        failed = _max_over_ranks([float(failed)])[0] > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError("LPA3Callback stopped because another process failed when the fit started; that "
+                           "process's log has the reason and the fix.")
+
+
 def agreed_seed(seed: int) -> int:
-    """One seed for every rank, the largest of theirs (a collective; ``seed`` below 2**53)."""
-    return int(_max_over_ranks([float(seed)])[0])
+    """Rank 0's seed, on every rank (a broadcast from rank 0: a collective every rank joins)."""
+    value = torch.tensor([seed], dtype=torch.int64, device=communication_device())
+    dist.broadcast(value, src=0)
+    return int(value.item())
 
 
 def consumes_of(module: Any) -> Any:

@@ -67,12 +67,15 @@ class NetworkRunner:
         name: the network's name, or None.
         position: the network's place in the module's ``lpa3_networks()``: offsets its noise
             seed and its first random selection, so that two networks draw independently.
+        networks: how many networks the module has: each network's ``x'`` cache keeps to its
+            share of ``cache.max_bytes``.
     """
 
     NETWORK_SEED_STRIDE = 7919  # seed offset between the networks of a module with several
 
-    def __init__(self, name: str | None = None, position: int = 0) -> None:
+    def __init__(self, name: str | None = None, position: int = 0, networks: int = 1) -> None:
         self.name = name
+        self.networks = networks
         self.offset = self.NETWORK_SEED_STRIDE * position
         self.prefix = "lpa3/" if name is None else f"lpa3/{name}/"
         self.metric_prefix = "_lpa3_" if name is None else f"_lpa3_{name}_"
@@ -88,6 +91,7 @@ class NetworkRunner:
         self._measuring = False  # whether this batch's diagnostics are measured (decided at its start)
         self._warned = {"grid": [False], "nonfinite_inputs": False, "nonfinite_predictions": False}
         self._deferred: Exception | None = None  # a hand-over failure, raised at the step's memory exchange
+        self._restored_layers: list[str] | None = None  # the feature layers a resumed checkpoint's fit resolved
 
     @property
     def solver_graphs(self) -> Any:
@@ -109,6 +113,12 @@ class NetworkRunner:
         device = module.device if s.sync_free else torch.device("cpu")
         state, self.pending_state = self.pending_state, None
         earlier, fresh = self.tcs, self._new_memory(num_samples, num_classes, device)
+        # the feature layers the checkpoint's fit resolved for this `layers` setting: its state keeps
+        # naming them until this fit resolves its own (at its first solve; a resume into an epoch's
+        # end may have none)
+        saved = state.get("settings") if state is not None else None
+        same = saved is not None and saved.get("layers_setting", "unknown") == _as_list(s.layers)
+        self._restored_layers = saved.get("layers") if same else None
         if state is not None:
             fresh.load_state_dict(state["tcs"])  # refuses a data set of another size
             self.augment_start = state["augment_start"]
@@ -125,9 +135,13 @@ class NetworkRunner:
         c = s.cache
         self.store = None
         if c.regenerate_every_n_epochs > 1:
-            self.store = AugmentationCache(num_samples, c.regenerate_every_n_epochs, c.max_bytes,
-                                           c.dir or Path(trainer.default_root_dir) / "lpa3_cache",
-                                           device=module.device if c.on_device else "cpu")
+            folder = c.dir or Path(trainer.default_root_dir) / "lpa3_cache"
+            # now, by name, not at the first x' written (after the warm-up) as the OS's error
+            AugmentationCache.check_directory(folder, "cache.dir" if c.dir else
+                                              "cache.dir (None: <trainer.default_root_dir>/lpa3_cache)")
+            # max_bytes bounds the whole cache of a process: each network's store keeps to its share
+            self.store = AugmentationCache(num_samples, c.regenerate_every_n_epochs, c.max_bytes // self.networks,
+                                           folder, device=module.device if c.on_device else "cpu")
             if state is not None and state["cache"] is not None:
                 self.store.load_state_dict(state["cache"])
 
@@ -203,12 +217,15 @@ class NetworkRunner:
         if not prepared.consumes:
             return
         request, augmented = prepared.request, prepared.augmented
+        gathered = None
         if self.store is not None:  # collective under DDP: every rank stores every rank's new x'
             new_rows = prepared.new_rows
             if new_rows is None:
                 new_rows = (request.indices[:0], request.inputs[:0].detach(), request.targets[:0])  # type: ignore
-            self.store.put(*gather_rows(*new_rows), epoch=trainer.current_epoch)
+            gathered = gather_rows(*new_rows)
         try:
+            if gathered is not None:  # (a failed write, a full disk, stops every rank with its reason)
+                self.store.put(*gathered, epoch=trainer.current_epoch)
             module.lpa3_set_augmented(augmented)
             on_augmented(trainer, module, augmented)
             log = self.log
@@ -284,8 +301,10 @@ class NetworkRunner:
         probs = torch.softmax(logits.float() / s.solver.temperature, dim=1)
         memory.update(indices, probs, targets, epoch=trainer.current_epoch, check_values=not s.sync_free)
 
-    def epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
-        """Refresh the selection threshold; log the epoch's counts (and the grid when due)."""
+    def epoch_end(self, trainer: pl.Trainer, module: Any, pass_over: bool = True) -> None:
+        """Refresh the selection threshold when the epoch's pass is over; log the epoch's counts
+        (and the grid when due). A fit stopped mid-epoch (``max_steps``, ``trainer.should_stop``)
+        ends an epoch whose pass is not over: its threshold stays the last pass's, unlogged."""
         s, memory = self._settings(), self.memory()
         refused, nonfinite = (int(v) for v in torch.stack([memory.refused_rows, memory.nonfinite_rows]).tolist())
         memory.refused_rows.zero_()
@@ -300,14 +319,16 @@ class NetworkRunner:
                 "and the inputs (lpa3/nonfinite_inputs), lower the learning rate (this warning is given once a fit)."
             )
         self._check_coverage()
-        memory.refresh_threshold()
+        if pass_over:
+            memory.refresh_threshold()
         every = s.logging.images_every_n_epochs
         if every and trainer.current_epoch % every == 0:
             grid = log_grid(trainer, module, self.augmenter, self.prefix, s.logging.num_images,  # type: ignore[arg-type]
                             self._warned["grid"])
             self.last_grid = grid if grid is not None else self.last_grid
         model = unwrap_compiled(module.lpa3_model())
-        self.log.epoch_end(module, nonfinite, float(memory.threshold) if memory.has_threshold else None,  # type: ignore
+        threshold = float(memory.threshold) if memory.has_threshold and pass_over else None
+        self.log.epoch_end(module, nonfinite, threshold,  # type: ignore[union-attr]
                            s.sigma, resolve_bn_mode(model, s.solver.attack_bn))
 
     def _check_coverage(self) -> None:
@@ -349,7 +370,8 @@ class NetworkRunner:
         if state["tcs"] is None:
             self.pending_state = None
             return
-        self.pending_state = {"tcs": state["tcs"], "cache": state["cache"], "augment_start": state["augment_start"]}
+        self.pending_state = {"tcs": state["tcs"], "cache": state["cache"], "augment_start": state["augment_start"],
+                              "settings": state.get("settings")}
 
     def solver_settings(self) -> dict[str, Any] | None:
         """The settings the solver ran with, as plain values (saved in checkpoints, so that
@@ -357,11 +379,15 @@ class NetworkRunner:
         if self.settings is None:
             return None
         s, solver = self.settings, self.settings.solver
-        layers = self.augmenter.layer_names if self.augmenter is not None and self.augmenter.layer_names else s.layers
+        layers = self.augmenter.layer_names if self.augmenter is not None and self.augmenter.layer_names else None
         return {"sigma": s.sigma, "steps": s.steps, "lam": solver.lam, "temperature": solver.temperature,
                 "max_step": solver.max_step, "attack_bn": solver.attack_bn, "project": solver.project,
                 "fast": solver.fast, "allow_tf32": solver.allow_tf32,
-                "layers": None if layers is None else ([layers] if isinstance(layers, str) else list(layers))}
+                "layers": _as_list(layers or self._restored_layers or s.layers), "layers_setting": _as_list(s.layers)}
+
+
+def _as_list(layers: Any) -> list[str] | None:
+    return None if layers is None else ([layers] if isinstance(layers, str) else list(layers))
 
 
 def _kept(earlier: TimeConsistency, fresh: TimeConsistency) -> TimeConsistency:

@@ -145,10 +145,15 @@ class CacheSettings:
         attack_new_selections: with K > 1, solve a selected sample without a cached ``x'`` in any
             epoch (True) or only in the regeneration epochs (False: the solver runs once every K
             epochs).
-        max_bytes: the largest in-memory cache; beyond it a memory-mapped file.
-        dir: the file's folder; None: ``<trainer.default_root_dir>/lpa3_cache``.
+        max_bytes: the largest in-memory cache of a process, shared by the module's networks
+            (each gets its share; under DDP every process holds a whole copy); beyond it a
+            memory-mapped file.
+        dir: the file's folder (checked when the fit starts); None:
+            ``<trainer.default_root_dir>/lpa3_cache``.
         on_device: keep an in-memory cache beside the model (GPU memory on a GPU).
-        in_checkpoint: save the in-memory cache in checkpoints (False: a resumed run regenerates).
+        in_checkpoint: save the cache's entries in checkpoints, from memory or from its file, for
+            an exact resume (a checkpoint then holds up to the cache's size); False: a resumed
+            run regenerates them.
     """
 
     regenerate_every_n_epochs: int = 1

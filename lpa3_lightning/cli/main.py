@@ -9,11 +9,14 @@ writes a picture of x, x' and |x' - x| for a trained checkpoint (:mod:`lpa3_ligh
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
+
+from lpa3_lightning.cli.parser import LPA3ArgumentParser
 
 __all__ = ["LPA3CLI", "build_cli", "main"]
 
@@ -52,11 +55,16 @@ def build_cli(args: Any = None, run: bool = True) -> LPA3CLI:
         run=run,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
+        parser_class=LPA3ArgumentParser,
     )
 
 
 def main(args: Any = None) -> None:
     """Entry point of the ``lpa3`` console script (``lpa3 show ...`` draws x / x' grids)."""
+    # as ``python -m lpa3_lightning`` does: a class path (``--model my_module.MyModule``) may name a
+    # module of the working folder, which a console script's sys.path (its own folder) lacks
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["show"]:
         from lpa3_lightning.cli.show import main as show_main

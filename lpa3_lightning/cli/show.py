@@ -1,4 +1,5 @@
-"""``lpa3 show``: a PNG of x, x' and |x' - x| for a checkpoint of any of the ready modules.
+"""``lpa3 show``: a PNG of x, x' and |x' - x| for a checkpoint of a ready module, or of your own
+module and data module trained with ``lpa3 fit`` (which saves their classes in the checkpoint).
 
     lpa3 show --ckpt runs/.../last.ckpt --out lpa3_examples.png [--root DIR] [--split test]
               [--num 8] [--seed 0] [--network net1] [--sigma S] [--steps N] [--max-step auto|none|L]
@@ -10,15 +11,18 @@ perceptual distance, the log-probability drop and whether the label was preserve
 
 What training made, by default: the solver's settings (sigma, steps, step bound, BatchNorm
 mode, ...) are read from the checkpoint's ``LPA3Callback`` state, the data set and its
-normalisation from the checkpoint's data module, and the label preserved is the one training
-preserves (the true label for ``LPA3Classifier``; the model's prediction, standing in for the
-pseudo-label or the guess, for ``FixMatchClassifier``, ``PESClassifier`` and
-``DivideMixClassifier``). A flag overrides a setting.
+normalisation from the checkpoint's data module (your own, rebuilt from the class and arguments
+``lpa3 fit`` saved), and the label preserved is the one training preserves (the true label for
+``LPA3Classifier``; the model's prediction, standing in for the pseudo-label or the guess, for
+``FixMatchClassifier``, ``PESClassifier`` and ``DivideMixClassifier``; your module's
+``lpa3_request`` targets for your own). A flag overrides a setting. A checkpoint whose data
+module is unknown is refused with the fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +40,39 @@ from lpa3_lightning.core.visualize import save_comparison_grid
 
 __all__ = ["main"]
 
+#: The package's ready modules (their checkpoints load without a saved class path).
+READY = ("LPA3Classifier", "FixMatchClassifier", "PESClassifier", "DivideMixClassifier")
+
 #: The solver's settings when the checkpoint holds none (written without LPA3Callback): its defaults.
 CALLBACK_DEFAULTS: dict[str, Any] = {"sigma": 0.02, "steps": 5, "lam": 1.0, "temperature": 1.0, "max_step": "auto",
                                      "attack_bn": "auto", "project": True, "fast": False, "allow_tf32": False,
                                      "layers": None}
 
 
+def _saved_class(hparams: dict[str, Any]) -> type | None:
+    """The class ``lpa3 fit`` (LightningCLI) saved in the hyperparameters (``_class_path``), imported."""
+    path = hparams.get("_class_path")
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"lpa3 show: error: the checkpoint was written by {path}, which does not import here "
+                         f"({exc}). Fix: run the command where that module imports (its folder, or its package "
+                         "installed).") from exc
+    return found if isinstance(found, type) else None
+
+
 def _module_class(checkpoint: dict[str, Any]) -> type:
-    """The ready module a checkpoint was written by, told by what its state and hparams hold."""
+    """The module a checkpoint was written by: the class ``lpa3 fit`` saved, else the ready module
+    told by what its state and hparams hold."""
     from lpa3_lightning import DivideMixClassifier, FixMatchClassifier, LPA3Classifier, PESClassifier
 
     hparams = checkpoint.get("hyper_parameters", {})
+    saved = _saved_class(hparams)
+    if saved is not None:
+        return saved
     if any(key.startswith("net1.") for key in checkpoint.get("state_dict", {})):
         return DivideMixClassifier
     if "pes" in hparams:  # each ready module keeps its settings under the method's name
@@ -67,11 +93,21 @@ def _solver_settings(checkpoint: dict[str, Any], network: str | None) -> tuple[d
 
 
 def _images(checkpoint: dict[str, Any], root: str | None, split: str, num: int) -> tuple[Any, str, dict]:
-    """``(x, y)`` of the first ``num`` images of ``split``, the data set's name and normalisation."""
-    from lpa3_lightning.data import MedMNISTDataModule, SemiSupervisedDataModule
+    """The first ``num`` samples of ``split`` (``(x, y)``, or the batch of the user's own data
+    module), the data set's name and normalisation."""
+    from lpa3_lightning.data import MedMNISTDataModule, NoisyLabelDataModule, SemiSupervisedDataModule
     from lpa3_lightning.data.ssl_sources import source_facts
 
     data_hparams = checkpoint.get("datamodule_hyper_parameters", {})
+    own = _saved_class(data_hparams)
+    if own is not None and not issubclass(own, (MedMNISTDataModule, SemiSupervisedDataModule, NoisyLabelDataModule)):
+        return _own_images(own, data_hparams, split, num)
+    if not data_hparams:
+        raise SystemExit("lpa3 show: error: the checkpoint names no data module (the fit was given loaders, or a data "
+                         "module that saved no hyperparameters), so the images it was trained on are unknown. Fix: "
+                         "train through a data module that calls self.save_hyperparameters() (with `lpa3 fit` its "
+                         "class is then saved too), or draw x' from your own code with "
+                         "lpa3_lightning.core.visualize.save_comparison_grid.")
     root = root or data_hparams.get("root")
     if "flag" in data_hparams or "source" not in data_hparams:
         name = data_hparams.get("flag", "breastmnist")
@@ -90,6 +126,17 @@ def _images(checkpoint: dict[str, Any], root: str | None, split: str, num: int) 
             dataset = {"val": data.val_dataset, "test": data.test_dataset}[split]
     x, y, _ = default_collate([dataset[i] for i in range(min(num, len(dataset)))])
     return (x, y), name, data.normalization
+
+
+def _own_images(cls: type, hparams: dict[str, Any], split: str, num: int) -> tuple[Any, str, dict]:
+    """The first ``num`` samples of ``split`` of the user's own data module, rebuilt from the class
+    and arguments the checkpoint saved: its collated batch (the module's request reads it)."""
+    data = cls(**{key: value for key, value in hparams.items() if not key.startswith("_")})
+    data.setup("fit" if split in ("train", "val") else "test")
+    loader = getattr(data, {"train": "train_dataloader", "val": "val_dataloader", "test": "test_dataloader"}[split])()
+    dataset = loader.dataset
+    return default_collate([dataset[i] for i in range(min(num, len(dataset)))]), cls.__name__, \
+        getattr(data, "normalization", None)
 
 
 def _max_step(text: str) -> Any:
@@ -138,23 +185,34 @@ def main(argv: list[str] | None = None) -> Path:
     cls = _module_class(checkpoint)
     try:
         module = cls.load_from_checkpoint(args.ckpt, map_location="cpu")
-    except (KeyError, RuntimeError, TypeError) as exc:
+    except (KeyError, RuntimeError, TypeError, ValueError) as exc:
         parser.error(f"--ckpt {args.ckpt} does not load into {cls.__name__} ({type(exc).__name__}: {exc}). It may be a "
                      "checkpoint of another module, or an older one whose network has changed since (PreAct "
                      "ResNet-18 and WRN, docs/method.md section 8). Fix: pass a checkpoint of `lpa3 fit` with a ready "
                      "module (LPA3Classifier, FixMatchClassifier, PESClassifier or DivideMixClassifier) of this "
                      "release, or call lpa3_lightning.core.visualize.save_comparison_grid from your own code.")
     module.train()  # as in training: the solver puts the model in eval mode itself (batch mode needs the flags)
-    model: nn.Module = getattr(module, args.network or "net1") if cls.__name__ == "DivideMixClassifier" else module.model
+    ready = cls.__name__ in READY  # (or a subclass of one: its own training path, as theirs)
+    ready = ready or any(base.__name__ in READY and base.__module__.startswith("lpa3_lightning") for base in cls.__mro__)
+    networks = module.lpa3_networks() if callable(getattr(module, "lpa3_networks", None)) else None
+    network = (args.network or networks[0]) if networks else None
+    model: nn.Module = module.lpa3_model(network) if networks else module.lpa3_model()
     bn_mode = resolve_bn_mode(model, settings["attack_bn"])
     if bn_mode in ("twin", "batch") and (args.num < 2 or (bn_mode == "twin" and not has_dual_bn(model))):
         parser.error(f"--bn-mode {bn_mode} needs --num >= 2 (batch statistics){' and a model with twin BNs' if bn_mode == 'twin' else ''}. "
                      "Fix: use --bn-mode eval.")
-    (x, y), name, normalization = _images(checkpoint, args.root, args.split, args.num)
-    supervised = cls.__name__ == "LPA3Classifier"
-    if not supervised:  # the label training preserves there: the model's own (pseudo-label / guess)
-        with torch.no_grad(), eval_mode(model):
-            y = model(x).argmax(1)
+    samples, name, normalization = _images(checkpoint, args.root, args.split, args.num)
+    supervised = any(base.__name__ == "LPA3Classifier" for base in cls.__mro__)
+    if ready:
+        x, y = samples[0], samples[1]
+        label = "the true label" if supervised else "the model prediction"
+        if not supervised:  # the label training preserves there: the model's own (pseudo-label / guess)
+            with torch.no_grad(), eval_mode(model):
+                y = model(x).argmax(1)
+    else:  # the user's module: the inputs and labels its own request hands the callback in training
+        request = module.lpa3_request(samples, network) if networks else module.lpa3_request(samples)
+        x, y = request.inputs, request.targets
+        label = "the module's lpa3_request targets"
     x_adv, stats = lpa3_attack(
         model, x, y, sigma=settings["sigma"], steps=settings["steps"], lam=settings["lam"],
         temperature=settings["temperature"], layers=settings["layers"], input_range=normalization, bn_mode=bn_mode,
@@ -163,7 +221,7 @@ def main(argv: list[str] | None = None) -> Path:
     path = save_comparison_grid(args.out, x, x_adv, normalization)
     source = "the checkpoint's LPA3Callback" if from_checkpoint else "LPA3Callback's defaults (the checkpoint holds none)"
     print(f"wrote {path} (rows: x, x', |x' - x| stretched per image; {len(y)} {args.split} images of {name}; "
-          f"{cls.__name__}; label preserved: {'the true label' if supervised else 'the model prediction'}; "
+          f"{cls.__name__}; label preserved: {label}; "
           f"bn mode {bn_mode}, sigma {settings['sigma']}, {settings['steps']} steps, max step {settings['max_step']} "
           f"(settings from {source}))")
     for i in range(len(y)):

@@ -15,15 +15,18 @@ host, where the plan step reads them). When the GPU has less than twice the stor
 stays in host memory, with a warning; at the end of a fit the callback moves it there
 (:meth:`AugmentationCache.offload`). Each entry
 keeps the label it was solved for and is reused only for that label (pseudo-labels change
-between epochs). The in-memory store is checkpointed only when asked
-(``state_dict(include_inputs=True)``; it can be as large as ``max_bytes``); a file store never
-is, since the file keeps changing after the checkpoint, and it is deleted by :meth:`close`
-(the callback calls it at the end of fit and on an exception). A store that was not saved
-restarts empty on resume (its entries are regenerated).
+between epochs). The store's entries are checkpointed only when asked
+(``state_dict(include_inputs=True)``: a copy, from memory or from the file, as large as the
+store; a restored store larger than ``max_bytes`` goes to a file). The file's name is removed as soon as it is mapped, so no run leaves it
+behind, however it ends (SIGKILL included); :meth:`close` releases the mapping (the callback
+calls it at the end of fit and on an exception). A store that was not saved restarts empty on
+resume (its entries are regenerated). ``max_bytes`` bounds one store: the callback gives each
+network of a module its share, and every process holds a whole copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import uuid
@@ -98,11 +101,46 @@ class AugmentationCache:
                 f"more than cache.max_bytes={self.max_bytes}. Fix: set `cache.dir` for a memory-mapped file, or "
                 "raise `cache.max_bytes`."
             )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.storage = self._mapped_file(numel, dtype).view(self.num_samples, *sample_shape)
+
+    def _mapped_file(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A new memory-mapped file of ``numel`` zeros under ``directory``, its name already removed."""
+        assert self.directory is not None
+        self.check_directory(self.directory, "cache.dir")
         # one file per run: concurrent runs (or nodes sharing a file system) never write the same one
         self.file = self.directory / f"lpa3_augmentation_cache_{os.getpid()}_{uuid.uuid4().hex[:8]}.bin"
-        flat = torch.from_file(str(self.file), shared=True, size=numel, dtype=dtype)
-        self.storage = flat.view(self.num_samples, *sample_shape)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            flat = torch.from_file(str(self.file), shared=True, size=numel, dtype=dtype)
+        except (OSError, RuntimeError) as exc:
+            raise OSError(f"The x' cache could not create its file in `cache.dir`={str(self.directory)!r} ({exc}). "
+                          "Fix: point cache.dir to a writable folder with room for the cache, or raise "
+                          "cache.max_bytes to keep it in memory.") from exc
+        # The mapping outlives the name (POSIX): with the name gone at once, a run that ends any way,
+        # SIGKILL included, leaves no file behind. (Where the name cannot go while mapped, as on
+        # Windows, close() deletes it.)
+        with contextlib.suppress(OSError):
+            self.file.unlink()
+        return flat
+
+    @staticmethod
+    def check_directory(directory: str | Path, setting: str = "directory") -> None:
+        """Refuse a folder the store could not make its file in, naming ``setting``; creates nothing.
+
+        Raises:
+            ValueError: when ``directory``, or the nearest part of its path that exists, is not a
+                folder or not writable.
+        """
+        path = Path(directory)
+        existing = path
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"`{setting}`={str(path)!r} cannot hold the x' cache's file: {str(existing)!r} is not a "
+                             f"folder. Fix: point {setting} to a folder, or to a path where one can be created.")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"`{setting}`={str(path)!r} cannot hold the x' cache's file: {str(existing)!r} is not "
+                             f"writable. Fix: point {setting} to a writable folder.")
 
     def _place(self, nbytes: int) -> torch.device:
         """Where an in-memory store of ``nbytes`` goes: ``device``, unless that is a GPU with less
@@ -177,10 +215,10 @@ class AugmentationCache:
             self.file = None
 
     def state_dict(self, include_inputs: bool = False) -> dict[str, Any]:
-        """With ``include_inputs`` an in-memory store travels in the checkpoint (exact resume);
-        otherwise, and always for a file store (not a snapshot: the run keeps overwriting it),
-        the resumed cache starts empty."""
-        saved = include_inputs and self.storage is not None and self.file is None
+        """With ``include_inputs`` the store's entries travel in the checkpoint, copied out of
+        memory or out of the file (a snapshot: the run keeps writing the file), for an exact
+        resume; otherwise the resumed cache starts empty."""
+        saved = include_inputs and self.storage is not None
         return {
             "version": _STATE_VERSION,
             "num_samples": self.num_samples,
@@ -206,7 +244,17 @@ class AugmentationCache:
             )
         self.written = state["written"].clone()
         self.labels = state["labels"].clone()
+        self.storage, self.file = None, None
         if state.get("storage") is not None:
             stored = state["storage"]
-            device = self._place(stored.numel() * stored.element_size())
-            self.storage, self.file = stored.to(device, copy=True), None
+            nbytes = stored.numel() * stored.element_size()
+            if nbytes > self.max_bytes:  # the bound holds for a restored store too: a file, as a new one would be
+                if self.directory is None:
+                    raise ValueError(
+                        f"The checkpoint's x' cache holds {nbytes} bytes, more than cache.max_bytes={self.max_bytes}. "
+                        "Fix: set `cache.dir` for a memory-mapped file, or raise `cache.max_bytes`."
+                    )
+                self.storage = self._mapped_file(stored.numel(), stored.dtype).view(stored.shape)
+                self.storage.copy_(stored)
+            else:
+                self.storage = stored.to(self._place(nbytes), copy=True)

@@ -7,6 +7,7 @@ from lpa3_lightning.data.label_split import load_label_split, save_label_split, 
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR, MedMNISTDataModule
 from lpa3_lightning.data.noisy_labels import NOISY_LABEL_SOURCES, NoisyLabelDataModule, TwoViewNoisyDataset
 from lpa3_lightning.data.semi_supervised import SEMI_SUPERVISED_SOURCES, SemiSupervisedDataModule
+from lpa3_lightning.data.split_batches import SplitBalancedSampler
 from lpa3_lightning.data.ssl_datasets import LabeledDataset, UnlabeledDataset, load_mnist5k
 from lpa3_lightning.data.ssl_transforms import (
     Cutout,
@@ -21,7 +22,8 @@ __all__ = [
     "ASYMMETRIC_MAPPINGS", "NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset", "load_noisy_labels",
     "noisy_labels", "save_noisy_labels",
     "Cutout", "EMBEDDED_DATA_DIR", "EpochSampler", "FixMatchRandAugment", "IndexedDataset", "LabeledDataset",
-    "MedMNISTDataModule", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "UnlabeledDataset", "eval_transform",
+    "MedMNISTDataModule", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "SplitBalancedSampler",
+    "UnlabeledDataset", "eval_transform",
     "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",
     "train_loader", "weak_transform",
 ]

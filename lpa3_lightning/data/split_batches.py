@@ -26,7 +26,7 @@ split (the epoch before's); the loss still uses the refreshed one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -163,3 +163,11 @@ class SplitBalancedSampler(Sampler[int]):
         # of W batches so that those positions are one whole batch
         blocks = batches[:whole].view(-1, world, self.batch_size).transpose(1, 2).flatten()
         yield from torch.cat([blocks, batches[whole:].flatten()]).tolist()
+
+
+def draws_split_balanced(loader: Any) -> bool:
+    """Whether ``loader`` draws its batches with a :class:`SplitBalancedSampler` (also once
+    Lightning has wrapped it for DDP in a ``DistributedSamplerWrapper``)."""
+    sampler = getattr(loader, "sampler", None)
+    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # (Lightning's wrapper's source)
+    return isinstance(sampler, SplitBalancedSampler) or isinstance(wrapped, SplitBalancedSampler)

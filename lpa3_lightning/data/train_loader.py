@@ -16,11 +16,12 @@ state loads at any world size.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -72,7 +73,21 @@ class EpochSampler(StatefulDistributedSampler):
                 )
             if world != self.num_replicas:
                 self.next_yielded = None  # an epoch-end state: the next epoch starts whole
-        return super().__iter__()
+        # A restored position belongs to the iterator made from the restored state (torchdata makes it
+        # at once): taken now, not at this pass's first index. Lightning may never draw from that
+        # iterator (a checkpoint of an epoch's last batch resumes into the epoch's end) and makes the
+        # next epoch's: a position still pending would then skip the next epoch whole.
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        return self._pass(start)
+
+    def _pass(self, start: int) -> Iterator[int]:
+        # the order is drawn at the first index, after Lightning set the epoch (set_sampler_epoch
+        # follows the restore)
+        self.yielded = start
+        for index in itertools.islice(DistributedSampler.__iter__(self), start, None):
+            self.yielded += 1
+            yield index
 
     def num_samples_at(self, world: int) -> int:
         """How many indices each of ``world`` processes takes in an epoch."""

@@ -1,18 +1,22 @@
 """What the ready noisy-label modules (PES, DivideMix) share with Lightning: the training-set size,
-a loader over every training sample, and the LP-A3 callback's warm-up and twin anchoring."""
+a loader over every training sample, the check that the semi-supervised batches are balanced,
+and the LP-A3 callback's warm-up and twin anchoring."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lpa3_lightning.core.dual_bn import anchor_twin_parameters, has_dual_bn
 from lpa3_lightning.core.protocol import lpa3_callbacks as find_lpa3_callbacks
+from lpa3_lightning.data.split_batches import draws_split_balanced
 
-__all__ = ["adopt_training_set_size", "anchor_twins_without_callback", "release_twins", "whole_training_set_loader"]
+__all__ = ["adopt_training_set_size", "anchor_twins_without_callback", "release_twins", "warn_unbalanced_batches",
+           "whole_training_set_loader"]
 
 
 def adopt_training_set_size(module: pl.LightningModule, datamodule: Any) -> None:
@@ -67,3 +71,20 @@ def release_twins(networks: list[nn.Module]) -> None:
     """Undo :func:`anchor_twins_without_callback` at fit end."""
     for network in networks:
         anchor_twin_parameters(network, False)
+
+
+def warn_unbalanced_batches(module: Any, trainer: pl.Trainer, method: str) -> None:
+    """Once a fit, in the semi-supervised phase: warn when the training loader does not draw the
+    method's labeled share (:class:`~lpa3_lightning.data.SplitBalancedSampler`), which the
+    authors' loaders and ``NoisyLabelDataModule(balance_split=True)`` do."""
+    if getattr(module, "_warned_unbalanced", False) or draws_split_balanced(trainer.train_dataloader):
+        return
+    module._warned_unbalanced = True
+    rank_zero_warn(
+        f"{method}'s semi-supervised batches come from the training loader as its sampler draws them, not with the "
+        "method's labeled share: at high noise the labeled set is small and many batches hold few or none of it (the "
+        "authors' loaders balance each batch). Fix: use NoisyLabelDataModule (balance_split=True, the default), or "
+        "give your training loader lpa3_lightning.data.SplitBalancedSampler(len(dataset), batch_size, lambda: "
+        "(module.noisy_split_mask(), trainer.current_epoch), rule=module.noisy_batch_rule) and drop_last=True "
+        "(docs/noisy-labels.md, 'Your own data')."
+    )

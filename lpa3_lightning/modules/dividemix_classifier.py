@@ -18,6 +18,7 @@ from lpa3_lightning.methods.noisy_training import (
     anchor_twins_without_callback,
     lpa3_callbacks,
     release_twins,
+    warn_unbalanced_batches,
     whole_training_set_loader,
 )
 from lpa3_lightning.methods.settings import DivideMixSettings, settings_from, settings_hparams
@@ -159,6 +160,8 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         # without augmentation)
         dataset = getattr(getattr(self.trainer, "datamodule", None), "train_eval_dataset", None)
         semi = self.dividemix_phase(epoch) == "semi"
+        if semi:
+            warn_unbalanced_batches(self, self.trainer, "DivideMix")
         if semi and dataset is None and not getattr(self, "_warned_eval_view", False):
             self._warned_eval_view = True
             rank_zero_warn("DivideMix's split losses are taken on the training loader's dataset, so with its "

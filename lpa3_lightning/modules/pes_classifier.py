@@ -16,6 +16,7 @@ from lpa3_lightning.methods.noisy_training import (
     anchor_twins_without_callback,
     lpa3_callbacks,
     release_twins,
+    warn_unbalanced_batches,
     whole_training_set_loader,
 )
 from lpa3_lightning.methods.pes import PESLPA3Mixin
@@ -157,6 +158,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         epoch = self.current_epoch
         semi = self.pes_phase(epoch) == "semi"
+        if semi:
+            warn_unbalanced_batches(self, self.trainer, "PES")
         self.pes_begin_epoch(epoch, whole_training_set_loader(self.trainer, self.global_rank) if semi else [])
         if epoch == self.lpa3_settings.early_epochs and self.lpa3_settings.refine_epochs > 0:
             sgd, _ = self.optimizers()  # type: ignore[misc]

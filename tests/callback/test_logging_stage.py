@@ -81,3 +81,32 @@ def test_x_prime_that_move_do_not_warn(tmp_path, recwarn):
     callback = LPA3Callback(ratio=1.0, sigma=0.02, steps=2, seed=0)
     _trainer(tmp_path, [callback], max_epochs=1).fit(TinyClassifier(), _loader())
     assert not [w for w in recwarn if "barely moved" in str(w.message)]
+
+
+def test_a_fit_stopped_mid_epoch_keeps_the_last_passs_threshold_and_logs_no_other(tmp_path):
+    """max_steps=4 with 3 batches an epoch: Lightning ends the fit after epoch 1's first batch and
+    runs that epoch's on_train_epoch_end. Its pass is not over: the threshold stays epoch 0's (a
+    resume continues the pass with it), and no second lpa3/threshold is logged."""
+    from torch.utils.data import DataLoader
+
+    from tests.helpers import indexed_images
+
+    class Thresholds(LPA3Callback):
+        seen: list = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            super().on_train_epoch_end(trainer, pl_module)
+            self.seen.append(float(self.runner().tcs.threshold))
+
+    pl.seed_everything(0)
+    callback = Thresholds(ratio=0.5, steps=1, seed=0, input_range=None)
+    callback.seen = []
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, callbacks=[callback],
+                         logger=pl.loggers.CSVLogger(tmp_path, name="", version=0), log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyClassifier(), DataLoader(indexed_images(48), batch_size=16))
+    assert trainer.global_step == 4 and len(callback.seen) == 2
+    assert callback.seen[1] == callback.seen[0]
+    with open(tmp_path / "version_0" / "metrics.csv") as f:
+        logged = [row["lpa3/threshold"] for row in csv.DictReader(f) if row.get("lpa3/threshold")]
+    assert len(logged) == 1, logged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,4 +150,62 @@ def test_a_flat_key_of_a_config_is_refused_naming_it(tmp_path, capsys):
     with pytest.raises((SystemExit, TypeError)) as info:
         _instantiate(path, f"--trainer.default_root_dir={tmp_path}")
     message = str(info.value) + capsys.readouterr().err
-    assert "LPA3Callback" in message and "'lam' is not accepted" in message  # jsonargparse names the key
+    assert "LPA3Callback's `lam` is a setting of the `solver` group" in message  # its new place
+
+
+def _refused(tmp_path: Path, capsys, text: str, *args: str) -> str:
+    """The error ``lpa3 fit`` prints for a config ``text`` (written to a file) and ``args``."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}", *args, "--print_config"])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    # a typo of the callback's own argument: the closest one
+    ("        ratio: 0.5\n", "        ratoi: 0.5\n", "did you mean `ratio`?"),
+    # a former flat setting: its group, and how to write it in YAML
+    ("        solver:\n          lam: 1.0\n", "        lam: 1.0\n        solver:\n",
+     "`lam` is a setting of the `solver` group"),
+    # a typo inside a group: the group's closest field
+    ("          lam: 1.0\n", "          lamm: 1.0\n", "`solver` has no setting `lamm`: did you mean `lam`?"),
+    # a setting under the wrong group: its group
+    ("          lam: 1.0\n", "          regenerate_every_n_epochs: 2\n",
+     "`solver` has no setting `regenerate_every_n_epochs`: it is a setting of the `cache` group"),
+])
+def test_a_misplaced_or_misspelled_callback_setting_in_a_config_is_named_with_its_place(tmp_path, capsys, old, new,
+                                                                                         expected):
+    """The message the Python API gives (settings.unknown_argument), in a few lines: not jsonargparse's
+    48 lines of usage and nested union errors."""
+    text = (CONFIGS / "lpa3_maxstep1.yaml").read_text()
+    assert old in text
+    err = _refused(tmp_path, capsys, text.replace(old, new))
+    assert expected in err, err
+    assert len(err.splitlines()) <= 6, err
+
+
+def test_a_parser_error_is_short(tmp_path, capsys):
+    """Any refusal: the error and where the options are listed, not the whole usage."""
+    err = _refused(tmp_path, capsys, (CONFIGS / "lpa3_maxstep1.yaml").read_text(), "--trainer.max_epochz=3")
+    assert "max_epochz" in err and "--help" in err
+    assert len(err.splitlines()) <= 6, err
+
+
+def test_the_lpa3_command_imports_a_module_from_the_current_folder(tmp_path):
+    """As ``python -m lpa3_lightning`` does: a console script's sys.path holds its own folder, not the
+    working one, so ``--model my_module.MyModule`` of a file beside the config failed to import."""
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "lpa3"  # what pip writes for the console script
+    script.write_text("import sys\nfrom lpa3_lightning.cli import main\nsys.exit(main())\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_module.py").write_text("from lpa3_lightning import LPA3Classifier\n\n\n"
+                                       "class MyModule(LPA3Classifier):\n    pass\n")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script), "fit", "--model", "my_module.MyModule", "--print_config"],
+                          capture_output=True, text=True, timeout=300, cwd=work, check=False,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "class_path: my_module.MyModule" in done.stdout

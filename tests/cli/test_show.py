@@ -171,3 +171,54 @@ def test_show_command_refuses_a_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["show", "--ckpt", str(tmp_path / "nope.ckpt")])
     assert "does not exist" in capsys.readouterr().err
+
+
+class Digits(pl.LightningDataModule):
+    """A user's own data module (1x28x28, 3 classes): its images are not BreastMNIST's."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.normalization = {"mean": [0.0], "std": [1.0]}
+
+    def train_dataloader(self):
+        return DataLoader(indexed_images(16), batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(indexed_images(16, seed=3), batch_size=self.hparams.batch_size)
+
+
+class OwnModule(TinyClassifier):
+    """A user's own LightningModule (the supervised mixin), configured from the command line."""
+
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__(num_classes=num_classes)
+        self.save_hyperparameters()
+
+
+def _fit_from_the_command_line(tmp_path, model: list[str]) -> str:
+    """``lpa3 fit`` for one step on :class:`Digits`; the checkpoint it wrote."""
+    main(["fit", *model, "--data", "tests.cli.test_show.Digits", "--trainer.max_epochs=1",
+          "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", "--trainer.accelerator=cpu",
+          f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+          "--trainer.callbacks+=lpa3_lightning.LPA3Callback", "--trainer.callbacks.init_args.steps=1",
+          "--trainer.callbacks.init_args.input_range=null"])
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    return str(ckpt)
+
+
+@pytest.mark.parametrize("model", [["--model", "lpa3_lightning.LPA3Classifier", "--model.init_args.in_channels=1",
+                                    "--model.init_args.num_classes=3"],
+                                   ["--model", "tests.cli.test_show.OwnModule"]], ids=["ready_module", "own_module"])
+def test_show_draws_the_checkpoints_own_data_through_its_own_module(tmp_path, capsys, model):
+    """A checkpoint of ``lpa3 fit`` on the user's own data module: its images (not BreastMNIST's),
+    and a module of the user's own loaded from the class path the command saved (it ended in
+    load_from_checkpoint's traceback)."""
+    ckpt = _fit_from_the_command_line(tmp_path, model)
+    capsys.readouterr()
+    main(["show", "--ckpt", ckpt, "--out", str(tmp_path / "show.png"), "--num", "4"])
+    out = capsys.readouterr().out
+    assert "of Digits" in out and "breastmnist" not in out.lower(), out
+    assert out.count("label preserved") == 5  # the header and the four images
+    with Image.open(tmp_path / "show.png") as image:
+        assert image.size == (4 * 30 + 2, 3 * 30 + 2)

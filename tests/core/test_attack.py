@@ -624,3 +624,22 @@ def test_a_row_the_solver_cannot_keep_finite_comes_back_as_x() -> None:
     x_adv, stats = lpa3_attack(net, x, y, sigma=0.5, steps=2, layers=["2"], return_stats=True)
     assert torch.equal(x_adv, x)
     assert torch.equal(stats.perceptual_distance, torch.zeros(4))
+
+
+def test_the_method_doc_names_the_dtype_the_constraint_is_compared_in():
+    """docs/method.md's row on the constraint says in which float type ``log p`` is compared (the
+    bisection and ``lpa3/label_preserved`` both take it from ``label_logp``): the type it returns
+    for a float32 model, and float64 only for a float64 one."""
+    import re
+    from pathlib import Path
+
+    from lpa3_lightning.core.solver_forward import label_logp
+
+    row = next(line for line in (Path(__file__).resolve().parents[2] / "docs" / "method.md").read_text().splitlines()
+               if line.startswith("| constraint |"))
+    stated = re.search(r"`log p` is compared in (float\d+)", row)
+    assert stated is not None, row
+    y = torch.tensor([0, 1])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert label_logp(torch.zeros(2, 3, dtype=dtype), y, 1.0).dtype == getattr(torch, stated.group(1)), dtype
+    assert label_logp(torch.zeros(2, 3, dtype=torch.float64), y, 1.0).dtype == torch.float64

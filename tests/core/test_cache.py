@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,8 +34,7 @@ def test_memory_mapped_store_is_a_per_run_file_and_restarts_empty_on_resume(tmp_
     cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "c")
     x = torch.randn(3, 2, 3)
     cache.put(torch.tensor([5, 0, 2]), x, epoch=0)
-    assert cache.file is not None and cache.file.exists()
-    assert cache.file.stat().st_size == 6 * 6 * 4
+    assert cache.file is not None and cache.nbytes == 6 * 6 * 4  # (its name already removed: see below)
     assert torch.equal(cache.get(torch.tensor([5, 0, 2])), x)
     other = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "c")
     other.put(torch.tensor([1]), torch.zeros(1, 2, 3), epoch=0)
@@ -65,13 +66,13 @@ def test_checkpoint_state_holds_no_inputs_unless_asked():
     assert restored.fresh(torch.tensor([3]), epoch=2).tolist() == [False]  # regenerated after a resume
 
 
-def test_close_deletes_the_memory_mapped_file(tmp_path):
+def test_close_releases_the_memory_mapped_store(tmp_path):
     cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path)
     cache.put(torch.tensor([1]), torch.zeros(1, 3), epoch=0)
     path = cache.file
-    assert path is not None and path.exists()
+    assert path is not None
     cache.close()
-    assert not path.exists() and cache.file is None
+    assert not path.exists() and cache.file is None and cache.storage is None
     assert cache.fresh(torch.tensor([1]), epoch=0).tolist() == [False]
     cache.close()  # twice is fine
 
@@ -118,3 +119,72 @@ def test_the_callback_refuses_a_non_bool_cache_on_device():
 
     with pytest.raises(ValueError, match="cache.on_device"):
         LPA3Callback(cache={"regenerate_every_n_epochs": 2, "on_device": "gpu"})  # type: ignore[arg-type]
+
+
+def test_the_memory_mapped_file_is_unlinked_once_mapped(tmp_path):
+    """The file's name is removed as soon as it is mapped (the mapping stays usable): a run that
+    ends any way, SIGKILL included, leaves no file behind."""
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path)
+    x = torch.randn(2, 3)
+    cache.put(torch.tensor([4, 1]), x, epoch=0)
+    assert cache.file is not None and list(tmp_path.iterdir()) == []
+    assert torch.equal(cache.get(torch.tensor([4, 1])), x)
+    cache.put(torch.tensor([4]), torch.zeros(1, 3), epoch=1)  # still written through the mapping
+    assert torch.equal(cache.get(torch.tensor([4, 1])), torch.stack([torch.zeros(3), x[1]]))
+    cache.close()
+
+
+def test_a_sigkilled_run_leaves_no_cache_file(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import os, signal, torch; from lpa3_lightning.core.cache import AugmentationCache; "
+              f"c = AugmentationCache(8, 2, max_bytes=0, directory={str(tmp_path)!r}); "
+              "c.put(torch.tensor([0]), torch.ones(1, 4), epoch=0); os.kill(os.getpid(), signal.SIGKILL)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_restored_in_memory_store_larger_than_max_bytes_goes_to_a_file(tmp_path):
+    """``cache.max_bytes`` holds for a store restored from a checkpoint too: resumed with a smaller
+    bound, the entries move to a memory-mapped file; without a folder, refused by name."""
+    cache = AugmentationCache(16, 2)  # 1 GiB: in memory
+    x = torch.randn(16, 96)
+    cache.put(torch.arange(16), x, epoch=0)
+    state = cache.state_dict(include_inputs=True)
+    assert state["storage"].numel() * 4 == 6144
+    restored = AugmentationCache(16, 2, max_bytes=0, directory=tmp_path)
+    restored.load_state_dict(state)
+    assert restored.file is not None and restored.fresh(torch.arange(16), epoch=1).all()
+    assert torch.equal(restored.get(torch.arange(16)), x)
+    fits = AugmentationCache(16, 2, max_bytes=6144)
+    fits.load_state_dict(state)
+    assert fits.file is None and torch.equal(fits.get(torch.arange(16)), x)
+    with pytest.raises(ValueError, match=r"cache\.max_bytes=0.*cache\.dir"):
+        AugmentationCache(16, 2, max_bytes=0).load_state_dict(state)
+
+
+def test_an_unusable_folder_is_refused_by_name(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    for folder in (tmp_path / "a_file", tmp_path / "a_file" / "cache"):
+        with pytest.raises(ValueError, match="not a folder"):
+            AugmentationCache.check_directory(folder, "cache.dir")
+    AugmentationCache.check_directory(tmp_path / "new" / "cache", "cache.dir")  # creatable: fine
+    assert not (tmp_path / "new").exists()  # (and nothing was created)
+
+
+def test_a_file_store_travels_in_the_checkpoint_when_asked(tmp_path):
+    """``include_inputs`` (``cache.in_checkpoint=True``) snapshots a memory-mapped store too, so a
+    resume with a file cache is exact; restored over max_bytes it is a file again."""
+    cache = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "a")
+    x = torch.randn(2, 3)
+    cache.put(torch.tensor([5, 1]), x, epoch=0)
+    state = cache.state_dict(include_inputs=True)
+    assert state["storage"] is not None and torch.equal(state["storage"][torch.tensor([5, 1])], x)
+    restored = AugmentationCache(6, 2, max_bytes=0, directory=tmp_path / "b")
+    restored.load_state_dict(state)
+    assert restored.file is not None and restored.fresh(torch.tensor([5, 1]), epoch=1).all()
+    assert torch.equal(restored.get(torch.tensor([5, 1])), x)
+    assert cache.state_dict()["storage"] is None  # not asked: the resumed run regenerates them

@@ -73,6 +73,39 @@ def test_an_epoch_end_state_loads_at_any_world_size():
     assert sum(_indices(other), []) == list(reference)
 
 
+def _state_after_the_last_batch(data) -> dict:
+    """The state Lightning saves in the ``on_train_batch_end`` of an epoch's last batch: every batch
+    drawn, the iterator not yet ended."""
+    loader = train_loader(data, batch_size=2, seed=5)
+    loader.sampler.set_epoch(0)
+    iterator = iter(loader)
+    for _ in range(len(loader)):
+        next(iterator)
+    return loader.state_dict()
+
+
+def test_a_used_up_pass_restored_but_never_drawn_leaves_the_next_epoch_whole():
+    """Lightning makes the restored iterator at resume and, resuming into that epoch's end, may never
+    draw from it before it makes the next epoch's: that epoch is whole (it was empty: the restored
+    position was still pending)."""
+    data = indexed_images(12)
+    again = train_loader(data, batch_size=2, seed=5)
+    again.load_state_dict(_state_after_the_last_batch(data))
+    iter(again)  # the restored iterator, as Lightning makes it at resume (the rest of epoch 0: nothing)
+    again.sampler.set_epoch(1)
+    reference = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5)
+    reference.set_epoch(1)
+    assert sum(_indices(again), []) == list(reference)
+
+
+def test_a_used_up_pass_restored_and_drawn_ends_at_once_then_the_next_is_whole():
+    data = indexed_images(12)
+    again = train_loader(data, batch_size=2, seed=5)
+    again.load_state_dict(_state_after_the_last_batch(data))
+    assert list(iter(again)) == []
+    assert len(_indices(again)) == 6
+
+
 def test_the_sampler_refuses_a_bad_world():
     data = indexed_images(4)
     with pytest.raises(ValueError, match="num_replicas"):

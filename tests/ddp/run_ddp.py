@@ -8,7 +8,8 @@
 'supervised' also caches x' (cache regenerate_every_n_epochs=2). 'user_module' trains a module
 written as the README shows (LPA3ModuleMixin only) through a warm-up epoch. 'bad_index_rank1'
 and 'crash_rank1' make one rank's ``lpa3_request`` return an out-of-range index or raise a
-RuntimeError: every rank must stop with the reason instead of hanging. 'noise_full' trains 2 epochs,
+RuntimeError: every rank must stop with the reason instead of hanging; so must 'cache_dir_rank1' and
+'cache_put_rank1' (rank 1's x' cache folder unusable, its first cache write failing). 'noise_full' trains 2 epochs,
 'noise_first' 1 epoch and writes a checkpoint, 'noise_resume' resumes it (OUT_DIR's sibling
 ``noise_first``) for the second; each rank records every step's x'.
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -205,6 +207,42 @@ class Recording(LPA3Callback):
         super().on_train_start(trainer, pl_module)
 
 
+class SeedPerRank(Callback):
+    """Each rank's torch seed its own (1000 + rank) when the fit starts: after Lightning's DDP set-up,
+    which seeds every rank with ``seed_everything``'s seed again."""
+
+    def on_fit_start(self, trainer, pl_module):
+        torch.manual_seed(1000 + trainer.global_rank)
+
+
+def _cache_fault_run(out: Path, mode: str) -> None:
+    """Rank 1's x' cache fails: its folder lies under a file ('cache_dir_rank1', found when the fit
+    starts), or its first write raises ('cache_put_rank1', after the step's reduction). Every rank
+    must stop with the reason, none with a dropped connection."""
+    from lpa3_lightning.core.cache import AugmentationCache
+
+    rank1 = int(os.environ.get("LOCAL_RANK", 0)) == 1  # (Lightning starts rank 1 with LOCAL_RANK=1)
+    folder = out / f"rank{int(rank1)}_cache"
+    if mode == "cache_dir_rank1" and rank1:
+        (out / "a_file").write_text("not a folder")
+        folder = out / "a_file" / "cache"
+    if mode == "cache_put_rank1" and rank1:
+        put = AugmentationCache.put
+
+        def failing(self, indices, *args, **kwargs):
+            if len(indices):
+                raise OSError("x' cache write failed on one rank (simulated)")
+            return put(self, indices, *args, **kwargs)
+
+        AugmentationCache.put = failing
+    callback = LPA3Callback(ratio=0.5, steps=1, seed=0, warmup_epochs=1,
+                            cache={"regenerate_every_n_epochs": 2, "max_bytes": 0, "dir": str(folder)})
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=2, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out)
+    trainer.fit(TinyClassifier(twin_bn=True), DataLoader(indexed_images(N), batch_size=PER_RANK_BATCH))
+
+
 SYNCED_FORWARDS = [0]  # train-mode SyncBatchNorm forwards of this process (the stand-in's count)
 
 
@@ -289,6 +327,9 @@ def main(out: Path, mode: str) -> None:
     layout = {"memory_layout": "sharded" if path == "sharded" else "auto"}
     if mode.startswith("syncbn_"):
         _syncbn_run(out, mode)
+        return
+    if mode in ("cache_dir_rank1", "cache_put_rank1"):
+        _cache_fault_run(out, mode)
         return
     pl.seed_everything(0)
     user = mode in ("user_module", "bad_index_rank1", "crash_rank1")
@@ -381,8 +422,6 @@ def main(out: Path, mode: str) -> None:
         module = UserModule(fault=None if mode == "user_module" else mode)
     else:
         module = IgnoresAugmentation() if mode in ("ignore_aug", "padded") else TinyClassifier(twin_bn=True)
-    if mode == "seed_differs":  # each rank's torch seed its own; the callback's seed=None must still be one
-        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
     callback = Recording(ratio=0.5, steps=2, seed=None if mode == "seed_differs" else 0,
                          empty_rank=1 if mode == "empty_rank1" else None,
                          bad_rank=1 if mode == "bad_rank1" else None,
@@ -390,7 +429,10 @@ def main(out: Path, mode: str) -> None:
                          warmup_epochs=1 if user else 0,
                          cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1},
                          runtime={"sync_free": sync_free}, selection=layout)
-    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=[callback],
+    callbacks: list = [callback]
+    if mode == "seed_differs":  # each rank's torch seed its own; the callback's seed=None must still be one
+        callbacks.insert(0, SeedPerRank())
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=EPOCHS, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
     n = N_PADDED if mode == "padded" else N

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 
 from lpa3_lightning import DivideMixClassifier, LPA3Callback, PESClassifier
@@ -82,3 +83,38 @@ def test_the_stratified_rows_carry_the_settings_they_were_measured_with(config, 
     assert not model.lpa3_settings.split_per_class and model.lpa3_settings.warmup_epochs == 10
     assert cli.trainer.max_epochs == 16 and cli.datamodule.hparams.batch_size == 64
     assert (cli.datamodule.noise_rate, cli.datamodule.noise_convention) == (0.8, "other")
+
+
+class _OwnNoisyData(pl.LightningDataModule):
+    """A user's own data module: the PES / DivideMix batch layout, a plain shuffled loader."""
+
+    num_train = 48
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from tests.methods.test_pes import NoisyTwoViews
+
+        return DataLoader(NoisyTwoViews(48), batch_size=16, shuffle=True, drop_last=True)
+
+
+@pytest.mark.parametrize("method", ["pes", "dividemix"])
+def test_a_semi_phase_without_balanced_batches_is_warned_with_the_recipe(tmp_path, method):
+    """The semi-supervised batches of the ready modules are balanced by the data module's sampler
+    (NoisyLabelDataModule(balance_split=True)); with a user's own loader they silently were not."""
+    import warnings
+
+    pl.seed_everything(0)
+    if method == "pes":
+        module = PESClassifier(arch="small_cnn", in_channels=1, num_classes=3,
+                               pes={"early_epochs": 1, "refine_epochs": 0, "rampup_epochs": 1.0})
+    else:
+        module = DivideMixClassifier(arch="small_cnn", in_channels=1, num_classes=3,
+                                     dividemix={"warmup_epochs": 1, "rampup_epochs": 1.0})
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=_OwnNoisyData())
+    messages = [str(w.message) for w in caught if "SplitBalancedSampler" in str(w.message)]
+    assert len(messages) == 1 and "labeled share" in messages[0] and "Fix" in messages[0], messages

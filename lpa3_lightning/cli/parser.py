@@ -1,0 +1,63 @@
+"""The ``lpa3`` command's argument parser: a refusal in a few lines (the error and where the
+options are listed, not jsonargparse's whole usage), and an unknown LPA3Callback setting in a
+config or on the command line named with its place, in the words the Python API uses."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from typing import Any, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+__all__ = ["LPA3ArgumentParser", "explain"]
+
+#: jsonargparse's report of a key a class does not take: the class path, then the key
+_NOT_ACCEPTED = re.compile(r"class_path '([\w.]+)':\s*\n\s*Option '(\w+)' is not accepted")
+
+
+def _class(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def explain(message: str) -> str | None:
+    """The package's message for a key that LPA3Callback or one of its settings groups does not
+    take, found in a jsonargparse error ``message`` (None when there is none)."""
+    from lpa3_lightning.callback.lpa3_callback import LPA3Callback
+    from lpa3_lightning.callback.settings import GROUPS, _group_of
+    from lpa3_lightning.core.arguments import dataclass_from
+
+    groups = {cls: name for name, cls in GROUPS.items()}
+    for path, key in _NOT_ACCEPTED.findall(message):
+        cls = _class(path)
+        try:
+            if isinstance(cls, type) and issubclass(cls, LPA3Callback):
+                cls(**{key: None})  # its unknown-argument check: the group that holds `key`, or the closest
+            elif cls in groups:
+                dataclass_from(cls, {key: None}, groups[cls], home=_group_of)
+        except TypeError as exc:
+            return str(exc)
+    return None
+
+
+class LPA3ArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose refusals are short and name a misplaced LPA3Callback setting's group."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():  # (jsonargparse's own retries: an exception)
+            super().error(message, ex)
+        explained = explain(message)
+        key = re.match(r'Parser key "([\w.]+)"', message)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        where = f'Parser key "{key.group(1)}": ' if explained and key else ""
+        sys.stderr.write(f"error: {where}{explained or message}\n"
+                         f"tip: `{prog} --help` lists the accepted options.\n")
+        self.exit(2)
