@@ -38,15 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (  # noqa: E402
-    apply_threads,
-    load_results,
-    mean_std,
-    run_sweep,
-    sweep_arguments,
-    worker_command,
-    write_result,
-)
+from benchmarks.harness import Table, mean_std, sweep_main, write_result  # noqa: E402
 
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
            "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3", "dividemix_st_cp",
@@ -162,8 +154,7 @@ def summarize(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", nargs="+", default=["mnist5k"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.8, 0.5])
     parser.add_argument("--methods", nargs="+", default=list(METHODS[:5]), choices=METHODS)
@@ -173,25 +164,28 @@ def main() -> None:
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
-    sweep_arguments(parser, out=ROOT / "docs" / "noisy_runs")
-    parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source rate method seed
-    args = parser.parse_args()
-    apply_threads(args.threads)
-    settings = (args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out, args.root)
-    if args.worker:
-        source, rate, method, seed = args.worker
-        run(source, float(rate), method, int(seed), *settings)
-        return
-    todo = [(s, r, seed, m) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
 
-    def command(source: str, rate: float, seed: int, method: str) -> list[str]:
-        return worker_command(__file__, (source, rate, method, seed), {
-            "--epochs": args.epochs, "--warmup": args.warmup, "--refine": args.refine, "--lambda-u": args.lambda_u,
-            "--batch-size": args.batch_size, "--out": args.out, "--root": args.root, "--threads": args.threads})
 
-    run_sweep(todo, lambda source, rate, seed, method: result_path(args.out, source, rate, method, seed, args.epochs),
-              command, args.jobs)
-    print(summarize(load_results(args.out, lambda r: r["epochs"] == args.epochs and r["source"] in args.sources)))
+def _runs(args: argparse.Namespace) -> list[tuple]:
+    return [(s, r, m, seed) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
+
+
+def _worker(args: argparse.Namespace, source: str, rate: float, method: str, seed: int) -> None:
+    run(source, rate, method, seed, args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out,
+        args.root)
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("source", str), ("rate", float), ("method", str), ("seed", int)), arguments=_arguments,
+              runs=_runs, worker=_worker, out=ROOT / "docs" / "noisy_runs",
+              result_path=lambda args, source, rate, method, seed: result_path(args.out, source, rate, method, seed,
+                                                                              args.epochs),
+              keep=lambda args, r: r["epochs"] == args.epochs and r["source"] in args.sources,
+              summarize=lambda args, results: summarize(results))
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (  # noqa: E402
-    apply_threads,
-    git_commit,
-    load_results,
-    mean_std,
-    paired_difference,
-    run_sweep,
-    sweep_arguments,
-    worker_command,
-    write_result,
-)
+from benchmarks.harness import Table, git_commit, mean_std, paired_difference, sweep_main, write_result  # noqa: E402
 
 #: fixmatch_lpa3_random: the same count of rows selected at random each epoch instead of by TCS
 #: (selection.criterion="random", the paper's selection ablation); fixmatch_lpa3_authors: the
@@ -337,8 +327,7 @@ def plot_convergence(results: list[dict], path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", nargs="+", default=["mnist5k"])
     parser.add_argument("--labels", nargs="+", type=int, default=[10, 20, 40])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -360,42 +349,46 @@ def main() -> None:
                         help="decay of the EMA weights evaluated beside the raw ones (FixMatch's 0.999 suits its 2^20 "
                              "steps; over 300 steps it still carries the first weights: the raw weights are the measure)")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
-    sweep_arguments(parser, out=ROOT / "docs" / "ssl_runs")
     parser.add_argument("--plot", type=Path, default=None, help="write the convergence plot (PNG) here")
-    parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source labels method seed
-    args = parser.parse_args()
-    apply_threads(args.threads)
-    if args.worker:
-        source, labels, method, seed = args.worker
-        run(source, int(labels), method, int(seed), args.steps, args.eval_every, args.out, args.root,
-            args.lpa3_warmup, args.regenerate, args.num_workers, args.solve_trained_only, args.lpa3_confidence,
-            args.ema_decay)
-        return
-    todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
 
-    def command(source: str, labels: int, method: str, seed: int) -> list[str]:
-        return worker_command(__file__, (source, labels, method, seed), {
-            "--steps": args.steps, "--eval-every": args.eval_every, "--lpa3-warmup": args.lpa3_warmup,
-            "--regenerate": args.regenerate, "--out": args.out, "--num-workers": args.num_workers,
-            "--solve-trained-only": args.solve_trained_only, "--lpa3-confidence": args.lpa3_confidence,
-            "--ema-decay": args.ema_decay,
-            "--root": args.root, "--threads": args.threads})
 
-    def done(source: str, labels: int, method: str, seed: int) -> Path:
-        return result_path(args.out, source, labels, method, seed, args.steps, args.regenerate,
-                           args.solve_trained_only, args.lpa3_confidence)
+def _runs(args: argparse.Namespace) -> list[tuple]:
+    return [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
 
-    def this_sweep(r: dict) -> bool:  # fixmatch rows are shared by every LP-A3 setting
-        return r["steps"] == args.steps and r["source"] in args.sources and r["labels"] in args.labels and (
-            r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
-                                          and r.get("solve_trained_only", False) == args.solve_trained_only
-                                          and _threshold(r.get("lpa3_confidence")) == _threshold(args.lpa3_confidence)))
 
-    run_sweep(todo, done, command, args.jobs)
-    results = load_results(args.out, this_sweep)
-    print(summarize(results))
+def _result_path(args: argparse.Namespace, source: str, labels: int, method: str, seed: int) -> Path:
+    return result_path(args.out, source, labels, method, seed, args.steps, args.regenerate, args.solve_trained_only,
+                       args.lpa3_confidence)
+
+
+def _worker(args: argparse.Namespace, source: str, labels: int, method: str, seed: int) -> None:
+    run(source, labels, method, seed, args.steps, args.eval_every, args.out, args.root, args.lpa3_warmup,
+        args.regenerate, args.num_workers, args.solve_trained_only, args.lpa3_confidence, args.ema_decay)
+
+
+def _this_sweep(args: argparse.Namespace, r: dict) -> bool:
+    """The runs of these settings in --out, every seed there; the fixmatch rows are shared by every LP-A3 setting."""
+    return r["steps"] == args.steps and r["source"] in args.sources and r["labels"] in args.labels and (
+        r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
+                                      and r.get("solve_trained_only", False) == args.solve_trained_only
+                                      and _threshold(r.get("lpa3_confidence")) == _threshold(args.lpa3_confidence)))
+
+
+def _summary(args: argparse.Namespace, results: list[dict]) -> str:
+    text = summarize(results)
     if args.plot and results:
-        print(f"plot: {plot_convergence(results, args.plot)}")
+        text += f"\nplot: {plot_convergence(results, args.plot)}"
+    return text
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("source", str), ("labels", int), ("method", str), ("seed", int)), arguments=_arguments,
+              runs=_runs, result_path=_result_path, worker=_worker, summarize=_summary, out=ROOT / "docs" / "ssl_runs",
+              keep=_this_sweep)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":
