@@ -1,15 +1,18 @@
-"""FixMatch against FixMatch + LP-A3 at few labels: EMA test accuracy, wall time, convergence.
+"""FixMatch against FixMatch + LP-A3 at few labels: paired test accuracy, how right the trained labels are, wall time.
 
     python benchmarks/ssl_table.py --sources mnist5k --labels 10 20 40 --seeds 0 1 2 --steps 1000
     python benchmarks/ssl_table.py --sources pneumoniamnist --labels 20 100 --root /path/to/medmnist_npz
 
 Each run trains ``FixMatchClassifier`` (small CNN, the FixMatch recipe, batch 32 + 7 x 32
 unlabeled) for the same number of steps with and without ``LPA3Callback`` (ratio 0.9, sigma
-0.02, the authors' settings; the LP-A3 term after ``--lpa3-warmup`` epochs), evaluates the EMA
-weights (0.999) on the test split every ``--eval-every`` steps, and writes one JSON per run to
-``--out`` (a finished run is not repeated). The summary prints mean +- std of the final EMA
-test accuracy and the wall time per method, and, per seed, the steps and seconds LP-A3 took to
-reach FixMatch's final accuracy (the paper's convergence claim).
+0.02, the authors' settings; the LP-A3 term after ``--lpa3-warmup`` epochs), evaluates the raw
+and the EMA (``--ema-decay``) weights on the test split every ``--eval-every`` steps, tallies
+against the true labels how right the pseudo-labels and ``x'`` labels it trained on were
+(:class:`PseudoLabelTally`), and writes one JSON per run to ``--out`` (a finished run is not
+repeated; ``--summary-only`` starts none). The summary (:func:`summarize`) gives per method the
+accuracies, the tallies, the selected share, how far ``x'`` moved and the wall time; then each
+LP-A3 method against FixMatch seed by seed, with the 95% t interval of the mean difference and
+its verdict; and any run whose tally contradicts its accuracy. ``--plot`` draws the curves.
 """
 
 from __future__ import annotations
