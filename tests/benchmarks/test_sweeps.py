@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SSL_FIELDS = {"source", "labels", "method", "seed", "steps", "final_test_acc", "wall_seconds", "curve", "steps_per_epoch",
-              "lpa3_warmup_epochs", "regenerate_every_n_epochs", "final_raw_test_acc", "num_workers",
+SSL_FIELDS = {"source", "labels", "method", "seed", "steps", "final_test_acc", "wall_seconds", "curve",
+              "steps_per_epoch", "lpa3_warmup_epochs", "regenerate_every_n_epochs", "final_raw_test_acc", "num_workers",
               "auto_max_step_fraction", "solve_trained_only", "ema_decay", "torch_threads", "commit", "lpa3_confidence"}
 SSL_CURVE = {"step", "train_seconds", "test_acc", "raw_test_acc", "mask_rate", "masked_count", "masked_acc",
              "xprime_per_step", "xprime_kept_rate", "xprime_kept_acc", "selected_fraction",
