@@ -35,15 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (  # noqa: E402
-    apply_threads,
-    load_results,
-    mean_std,
-    run_sweep,
-    sweep_arguments,
-    worker_command,
-    write_result,
-)
+from benchmarks.harness import Table, mean_std, sweep_main, write_result  # noqa: E402
 
 MODELS = ("small_cnn", "resnet18", "wrn28_2", "preact18", "tv_resnet18", "tv_mobilenet")
 PRESETS = ("package", "authors")
@@ -133,35 +125,42 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     parser.add_argument("--samples", type=int, default=1024, help="MNIST-5k training digits per run")
-    sweep_arguments(parser, ROOT / "runs" / "hardness")
-    parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    apply_threads(args.threads)
-    if args.worker:
-        model, preset, seed = args.worker
-        _worker(model, preset, int(seed), args.samples, args.out)
-        return
-    runs = [(m, p, s) for m in args.models for p in args.presets for s in args.seeds]
-    run_sweep(runs, lambda m, p, s: args.out / f"{m}_{p}_{s}.json",
-              lambda m, p, s: worker_command(__file__, (m, p, s), {"--samples": args.samples, "--out": args.out,
-                                                                   "--threads": args.threads}),
-              args.jobs)
-    results = load_results(args.out, lambda r: r["model"] in args.models and r["preset"] in args.presets
-                           and r["seed"] in args.seeds)
-    columns = ("perceptual_median", "l2_median", "rms_over_std_median", "projected", "barely_moved", "label_preserved",
-               "lpa3_epoch_over_plain", "wall_s")
-    print(f"{'network':13} {'preset':8} {'BN':5} {'seeds':>5} " + " ".join(f"{c:>24}" for c in columns))
+
+
+COLUMNS = ("perceptual_median", "l2_median", "rms_over_std_median", "projected", "barely_moved", "label_preserved",
+           "lpa3_epoch_over_plain", "wall_s")
+
+
+def summarize(args: argparse.Namespace, results: list[dict]) -> str:
+    lines = [f"{'network':13} {'preset':8} {'BN':5} {'seeds':>5} " + " ".join(f"{c:>24}" for c in COLUMNS)]
     for model in args.models:
         for preset in args.presets:
             mine = [r for r in results if r["model"] == model and r["preset"] == preset]
             if mine:
-                print(f"{model:13} {preset:8} {mine[0]['bn_mode']:5} {len(mine):5d} "
-                      + " ".join(f"{mean_std([r[c] for r in mine]):>24}" for c in columns))
+                lines.append(f"{model:13} {preset:8} {mine[0]['bn_mode']:5} {len(mine):5d} "
+                             + " ".join(f"{mean_std([r[c] for r in mine]):>24}" for c in COLUMNS))
+    return "\n".join(lines)
+
+
+def _runs(args: argparse.Namespace) -> list[tuple]:
+    return [(m, p, s) for m in args.models for p in args.presets for s in args.seeds]
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("model", str), ("preset", str), ("seed", int)), arguments=_arguments,
+              runs=_runs,
+              result_path=lambda args, m, p, s: args.out / f"{m}_{p}_{s}.json",
+              worker=lambda args, m, p, s: _worker(m, p, s, args.samples, args.out),
+              keep=lambda args, r: (r["model"], r["preset"], r["seed"]) in _runs(args),
+              summarize=summarize, out=ROOT / "runs" / "hardness")
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 parallel runs, output folder), one process per run with its result in one JSON file, the
 summary's mean +- std, and the timing (device synchronisation, a per-step timer).
 
-A table script (``medmnist_table.py``, ``ssl_table.py``, ``noisy_table.py``) declares its
-arguments with :func:`sweep_arguments`, runs each missing run as ``script --worker <fields>``
-through :func:`run_sweep` (a run whose JSON exists is not repeated), and reads the JSON files
-back with :func:`load_results` for its summary. A single-run script declares its shared
+A sweep table (``ssl_table.py``, ``noisy_table.py``, ``medmnist_table.py``, ``tabular_table.py``,
+``hardness.py``) is a :class:`Table`: its run keys, its worker function, the path of a run's JSON
+and its summary; :func:`sweep_main` gives every table the same command line: it declares the
+shared arguments (:func:`sweep_arguments`), runs each missing run as ``script --worker <fields>``
+through :func:`run_sweep` (a run whose JSON exists is not repeated), reads the JSON files back
+with :func:`load_results` and prints the table's summary. A single-run script declares its shared
 arguments with :func:`run_arguments` (``--threads``, and as it needs ``--seed``, ``--accelerator``,
 ``--json``), applies them with :func:`apply_threads` and writes its result with
 :func:`write_result`; :func:`device_label` names the machine in its header. A script with one
@@ -31,15 +33,16 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
-
-__all__ = ["ProfiledSteps", "StepTimer", "apply_threads", "cuda_activity", "device_label", "free_port", "git_commit",
-           "load_results", "max_over_ranks", "mean_std", "median_seconds", "on_gpu", "paired_difference",
-           "run_arguments", "run_processes", "run_sweep", "run_worker", "sweep_arguments", "sync", "worker_command",
-           "write_result"]
+# StepTimer and ProfiledSteps come from callbacks.py through __getattr__ below
+__all__ = [  # noqa: F822 (StepTimer and ProfiledSteps are defined by __getattr__)
+    "ProfiledSteps", "StepTimer", "Table", "apply_threads", "cuda_activity", "curve_mean", "device_label", "free_port",
+    "git_commit", "load_results", "max_over_ranks", "mean_std", "mean_std_of_known", "median_seconds", "on_gpu",
+    "paired_difference", "run_arguments", "run_processes", "run_sweep", "run_worker", "sweep_arguments", "sweep_main",
+    "sync", "worker_command", "worker_options", "write_result"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,10 +111,11 @@ def worker_command(script: str | Path, fields: Iterable[Any], options: Mapping[s
 
 
 def run_sweep(runs: Iterable[tuple], result_path: Callable[..., Path], command: Callable[..., list[str]],
-              jobs: int) -> None:
+              jobs: int, stop_at: float | None = None) -> list[tuple[list[str], int]]:
     """Run ``command(*run)`` for every run whose ``result_path(*run)`` does not exist yet, at most
-    ``jobs`` at once (each writes its own JSON file)."""
-    run_processes((command(*run) for run in runs if not result_path(*run).exists()), jobs, ROOT)
+    ``jobs`` at once (each writes its own JSON file); none starts after ``stop_at`` (a
+    ``time.time()``). Returns the commands that failed, with their exit status."""
+    return run_processes((command(*run) for run in runs if not result_path(*run).exists()), jobs, ROOT, stop_at)
 
 
 def run_worker(command: list[str], what: str) -> dict:
@@ -168,6 +172,121 @@ def load_results(out: Path, keep: Callable[[dict], bool] = lambda result: True) 
     return [r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*.json"))) if keep(r)]
 
 
+@dataclass(frozen=True)
+class Table:
+    """A sweep table, for :func:`sweep_main`: what one run is, how one runs, where its JSON goes
+    and how the runs are summarised. A run is a tuple of the ``keys`` fields (name, type), e.g.
+    ``(("source", str), ("labels", int), ("method", str), ("seed", int))``; every hook takes the
+    parsed arguments first.
+
+    * ``script``: the table's file; each missing run runs as ``script --worker <run fields>``.
+    * ``arguments(parser)``: the table's own flags (the shared ones are added after them).
+    * ``runs(args)``: the runs the flags ask for, in the order they start.
+    * ``result_path(args, *run)``: the run's JSON file; a run whose file exists is not repeated.
+    * ``worker(args, *run)``: trains one run and writes its JSON (in the worker's process).
+    * ``summarize(args, results)``: the text printed at the end.
+    * ``out``, ``seeds``: the defaults of ``--out`` and ``--seeds``.
+    * ``keep(args, result)``: which JSON files in ``--out`` the summary reads (default: all).
+    * ``results(args, runs)``: the results to summarise, in place of ``keep`` over ``--out``.
+    * ``deadline``: adds ``--deadline SECONDS``: no run starts after it, and each worker gets the
+      moment as ``--stop-at`` (a ``time.time()``) to stop itself.
+    """
+
+    script: str | Path
+    description: str
+    keys: tuple[tuple[str, type], ...]
+    arguments: Callable[[argparse.ArgumentParser], None]
+    runs: Callable[[argparse.Namespace], Iterable[tuple]]
+    result_path: Callable[..., Path]
+    worker: Callable[..., Any]
+    summarize: Callable[[argparse.Namespace, list[dict]], str]
+    out: Path
+    seeds: Sequence[int] = (0, 1, 2)
+    keep: Callable[[argparse.Namespace, dict], bool] | None = None
+    results: Callable[[argparse.Namespace, list[tuple]], list[dict]] | None = None
+    deadline: bool = False
+
+
+#: flags a sweep's process does not pass on to its workers (the worker's own, or the sweep's alone)
+_SWEEP_ONLY = {"help", "worker", "jobs", "deadline", "summary_only"}
+
+
+def sweep_main(table: Table, argv: Sequence[str] | None = None) -> None:
+    """The command line of every sweep table: the table's flags and the shared ones (``--seeds``,
+    ``--out``, ``--jobs``, ``--threads``, ``--summary-only``; ``--deadline`` where the table has
+    one). With ``--worker <run fields>`` it trains that one run; otherwise it starts, as
+    ``script --worker ...`` processes, every run of ``table.runs`` whose JSON is missing
+    (``--jobs`` at once; each worker gets every flag given here that differs from its default),
+    then prints ``table.summarize`` of the results. Exits with status 1 after the summary when a
+    run failed."""
+    parser = argparse.ArgumentParser(description=table.description)
+    table.arguments(parser)
+    sweep_arguments(parser, out=table.out, seeds=table.seeds)
+    parser.add_argument("--summary-only", action="store_true",
+                        help="summarise the runs already in --out, starting none")
+    if table.deadline:
+        parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                            help="seconds from now after which no run starts and running ones stop after their epoch")
+        parser.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)
+    names = tuple(name for name, _ in table.keys)
+    parser.add_argument("--worker", nargs=len(names), metavar=names, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs is the number of runs at once: give 1 or more, got {args.jobs}")
+    # workers run in the repository root: a relative --out must name the folder this process checks
+    args.out = args.out.resolve()
+    apply_threads(args.threads)
+    if args.worker:
+        table.worker(args, *_run_fields(parser, table.keys, args.worker))
+        return
+    runs = [tuple(run) for run in table.runs(args)]
+    failed: list[tuple[list[str], int]] = []
+    if not args.summary_only:
+        if table.deadline and args.deadline is not None:
+            args.stop_at = time.time() + args.deadline
+        options = worker_options(parser, args)
+        failed = run_sweep(runs, lambda *run: table.result_path(args, *run),
+                           lambda *run: worker_command(table.script, run, options), args.jobs,
+                           args.stop_at if table.deadline else None)
+    if table.results is not None:
+        results = table.results(args, runs)
+    else:
+        results = load_results(args.out, (lambda r: table.keep(args, r)) if table.keep else (lambda r: True))
+    print(table.summarize(args, results))
+    for command, status in failed:
+        fields = " ".join(command[command.index("--worker") + 1:][:len(names)])
+        print(f"run {fields} failed (exit status {status}; its error output is above): no JSON for it",
+              file=sys.stderr)
+    if failed:
+        sys.exit(1)
+
+
+def worker_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of ``args`` that differ from their defaults, by long name, for a worker's command
+    line (:func:`worker_command`); the sweep's own flags (``--jobs``, ``--worker``, ...) left out."""
+    options = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest in _SWEEP_ONLY:
+            continue
+        value = getattr(args, action.dest)
+        if value != action.default:
+            options[max(action.option_strings, key=len)] = value
+    return options
+
+
+def _run_fields(parser: argparse.ArgumentParser, keys: Sequence[tuple[str, type]], values: Sequence[str]) -> tuple:
+    """``--worker``'s strings as the run's fields, by the table's types."""
+    fields = []
+    for (name, kind), value in zip(keys, values):
+        try:
+            fields.append(kind(value))
+        except ValueError:
+            order = " ".join(key for key, _ in keys)
+            parser.error(f"--worker: the run's {name} must parse as {kind.__name__}, got {value!r} "
+                         f"(give the fields in this order: {order})")
+    return tuple(fields)
+
+
 def sync(device) -> None:
     """Wait for the device (a no-op on the CPU), so a wall-clock reading covers the work queued."""
     import torch
@@ -188,89 +307,6 @@ def median_seconds(fn: Callable[[], Any], device, reps: int = 3) -> float:
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-class StepTimer(Callback):
-    """Wall time of every training step (``on_train_batch_start`` to ``on_train_batch_end``, so the
-    LP-A3 callback's work in between is inside when this callback is registered first) and of every
-    epoch, and the callback's ``lpa3/reused_fraction_epoch`` (``reused``) and
-    ``lpa3/selected_fraction_epoch`` (``solved``: the share of the batch given an ``x'``) per epoch."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, list[float]] = {}
-        self.epochs: dict[int, float] = {}
-        self.reused: dict[int, float] = {}
-        self.solved: dict[int, float] = {}
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self._epoch_start = time.perf_counter()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        sync(pl_module.device)
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        sync(pl_module.device)
-        self.steps.setdefault(trainer.current_epoch, []).append(time.perf_counter() - self._start)
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        sync(pl_module.device)
-        self.epochs[trainer.current_epoch] = time.perf_counter() - self._epoch_start
-        for name, record in (("reused", self.reused), ("selected", self.solved)):
-            value = trainer.callback_metrics.get(f"lpa3/{name}_fraction_epoch")
-            if value is not None:
-                record[trainer.current_epoch] = float(value)
-
-
-class ProfiledSteps(Callback):
-    """``torch.profiler`` over ``steps`` training steps, from batch ``first_batch`` of epoch
-    ``epoch`` on, then stops the fit. Register it first: the window opens at the start of the
-    first step, before any other callback's work, and closes at the start of the step after the
-    last (or at the end of the epoch, when it ends first), so it holds whole steps and what the
-    loop does between them (loading the next batch). It closes after a device synchronisation,
-    inside the window: one ``cudaDeviceSynchronize`` of its own. ``seconds``: the window's wall
-    time; ``count``: steps profiled; ``prof``: the profiler (None until the window opened).
-    ``profile_kwargs`` go to ``torch.profiler.profile`` (``activities`` defaults to the CPU, and
-    CUDA on a GPU)."""
-
-    def __init__(self, epoch: int, steps: int, first_batch: int = 0, **profile_kwargs: Any) -> None:
-        self.epoch, self.steps, self.first_batch = epoch, steps, first_batch
-        self.profile_kwargs = profile_kwargs
-        self.prof: Any = None
-        self.count = 0
-        self.seconds: float | None = None
-
-    def window_opens(self, trainer, pl_module) -> None:
-        """Called just before the profiler starts (a subclass takes its snapshots here)."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.prof is None and trainer.current_epoch == self.epoch and batch_idx >= self.first_batch:
-            from torch.profiler import ProfilerActivity, profile
-
-            self.window_opens(trainer, pl_module)
-            kwargs = dict(self.profile_kwargs)
-            kwargs.setdefault("activities", [ProfilerActivity.CPU] + (
-                [ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else []))
-            sync(pl_module.device)
-            self.prof = profile(**kwargs)
-            self.prof.__enter__()
-            self._start = time.perf_counter()
-        elif self.prof is not None and self.seconds is None and self.count == self.steps:
-            self._stop(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.prof is not None and self.seconds is None:
-            self.count += 1
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if self.prof is not None and self.seconds is None:
-            self._stop(trainer, pl_module)  # the epoch ended (before ``steps`` steps, or right after them)
-
-    def _stop(self, trainer, pl_module) -> None:
-        sync(pl_module.device)
-        self.seconds = time.perf_counter() - self._start
-        self.prof.__exit__(None, None, None)
-        trainer.should_stop = True
 
 
 #: CUDA runtime and driver calls by what they do (their names in a torch.profiler trace)
@@ -352,6 +388,17 @@ def _copy_bytes(event: Any) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def __getattr__(name: str) -> Any:
+    """:class:`StepTimer` and :class:`ProfiledSteps`, from ``callbacks.py`` on first use: they need
+    Lightning, whose import takes seconds that a sweep's summary, ``--help`` and a worker of a
+    table that times nothing do not need."""
+    if name in ("StepTimer", "ProfiledSteps"):
+        from benchmarks import callbacks
+
+        return getattr(callbacks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for a process group's ``MASTER_PORT``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -379,13 +426,40 @@ def mean_std(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.3f} +- {sd:.3f}"
 
 
-def run_processes(commands: Iterable[list[str]], jobs: int, cwd: Path) -> None:
-    """Run the commands as subprocesses, at most ``jobs`` at once, and wait for all."""
+def mean_std_of_known(values: Sequence[float | None]) -> str:
+    """:func:`mean_std` of the values that were measured (None: not measured in that run); ``-`` for none."""
+    known = [v for v in values if v is not None]
+    return mean_std(known) if known else "-"
+
+
+def curve_mean(result: Mapping[str, Any], key: str) -> float | None:
+    """The mean of one column of a run's curve (its rows per interval or epoch) over the rows that
+    have a value; None where none has."""
+    values = [row[key] for row in result["curve"] if row.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+def run_processes(commands: Iterable[list[str]], jobs: int, cwd: Path,
+                  stop_at: float | None = None) -> list[tuple[list[str], int]]:
+    """Run the commands as subprocesses, at most ``jobs`` at once, and wait for all; none starts
+    after ``stop_at`` (a ``time.time()``). Returns the commands that failed, with their exit status."""
     running: list[subprocess.Popen] = []
+    failed: list[tuple[list[str], int]] = []
+
+    def reap() -> None:
+        for p in [p for p in running if p.poll() is not None]:
+            running.remove(p)
+            if p.returncode != 0:
+                failed.append((list(p.args), p.returncode))
+
     for cmd in commands:
+        if stop_at is not None and time.time() >= stop_at:
+            break
         running.append(subprocess.Popen(cmd, cwd=cwd))
         while len(running) >= jobs:
-            running = [p for p in running if p.poll() is None]
             time.sleep(1)
+            reap()
     for p in running:
         p.wait()
+    reap()
+    return failed

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import apply_threads, sweep_arguments, worker_command, write_result  # noqa: E402
+from benchmarks.harness import Table, sweep_main, write_result  # noqa: E402
 
 #: method name -> (RandAugment on, LPA3Callback arguments or None for no LP-A3)
 METHODS: dict[str, tuple[bool, dict | None]] = {
@@ -278,81 +277,64 @@ def _parse_flag_epochs(items: list[str], flags: list[str], default: int) -> dict
     return budget
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flags", nargs="+", default=["breastmnist"])
     parser.add_argument("--methods", nargs="+", default=["baseline", "randaugment", "lpa3"], choices=list(METHODS))
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--flag-epochs", nargs="*", default=[], metavar="FLAG=EPOCHS",
                         help="a budget for one flag (others use --epochs)")
     parser.add_argument("--root", default=str(ROOT.parent / "shared" / "data" / "medmnist"))
-    sweep_arguments(parser, out=ROOT / "docs" / "medmnist_runs")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds from now after which no run starts and running ones stop after their epoch")
-    parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # flag method seed
-    parser.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--limit-train-batches", type=int, default=None,
                         help="at most this many training batches an epoch (a smoke run of the harness)")
-    args = parser.parse_args()
-    if args.jobs < 1:
-        sys.exit(f"--jobs must be >= 1, got {args.jobs}")
-    budget = _parse_flag_epochs(args.flag_epochs, args.flags, args.epochs)
-    apply_threads(args.threads)
-    if args.worker:
-        flag, method, seed = args.worker
-        run(flag, args.root, method, int(seed), budget[flag], args.out, args.accelerator, args.stop_at,
-            args.limit_train_batches)
-        return
-    stop_at = None if args.deadline is None else time.time() + args.deadline
+
+
+def _epochs(args: argparse.Namespace, flag: str) -> int:
+    return _parse_flag_epochs(args.flag_epochs, args.flags, args.epochs)[flag]
+
+
+def _runs(args: argparse.Namespace) -> list[tuple]:
+    _parse_flag_epochs(args.flag_epochs, args.flags, args.epochs)  # a bad budget stops the sweep before any run
     # the order is the priority under a deadline: every seed of a flag before the next flag
-    queue = [(flag, method, seed) for flag in args.flags for seed in args.seeds for method in args.methods]
-    if args.jobs == 1:
-        for flag, method, seed in queue:
-            if stop_at is not None and time.time() > stop_at:
-                break
-            start = time.perf_counter()
-            r = run(flag, args.root, method, seed, budget[flag], args.out, args.accelerator, stop_at,
-                    args.limit_train_batches)
-            print(f"{flag} {method} seed {seed}: test acc {r['test_acc']:.3f} auc {r['test_auc']:.3f} "
-                  f"(best val epoch {r['best_epoch']}, {time.perf_counter() - start:.0f} s)", flush=True)
-    else:
-        running: list[tuple[subprocess.Popen, tuple]] = []
-        while queue or running:
-            while queue and len(running) < args.jobs and (stop_at is None or time.time() < stop_at):
-                flag, method, seed = job = queue.pop(0)
-                if result_path(args.out, flag, method, budget[flag], seed).exists():
-                    continue
-                cmd = worker_command(__file__, job, {
-                    "--epochs": args.epochs, "--flags": args.flags, "--root": args.root, "--out": args.out,
-                    "--accelerator": args.accelerator, "--flag-epochs": args.flag_epochs, "--threads": args.threads,
-                    "--stop-at": stop_at, "--limit-train-batches": args.limit_train_batches})
-                running.append((subprocess.Popen(cmd, cwd=ROOT), job))
-            if stop_at is not None and time.time() >= stop_at:
-                queue.clear()
-            for proc, job in list(running):
-                if proc.poll() is not None:
-                    running.remove((proc, job))
-                    print(f"{' '.join(map(str, job))}: exit {proc.returncode}", flush=True)
-            time.sleep(1.0)
+    return [(flag, method, seed) for flag in args.flags for seed in args.seeds for method in args.methods]
+
+
+def _worker(args: argparse.Namespace, flag: str, method: str, seed: int) -> None:
+    run(flag, args.root, method, seed, _epochs(args, flag), args.out, args.accelerator, args.stop_at,
+        args.limit_train_batches)
+
+
+def _results(args: argparse.Namespace, runs: list[tuple]) -> list[dict]:
+    """The finished runs asked for; a stopped or missing one is named and left out of the table."""
     results = []
-    for flag in args.flags:
-        for method in args.methods:
-            for seed in args.seeds:
-                path = result_path(args.out, flag, method, budget[flag], seed)
-                if path.exists():
-                    results.append(json.loads(path.read_text()))
-                elif path.with_suffix(".partial.json").exists():
-                    r = json.loads(path.with_suffix(".partial.json").read_text())
-                    print(f"{flag} {method} seed {seed}: stopped after {len(r['curve'])} of {r['epochs']} epochs "
-                          "(left out of the table)")
-                else:
-                    print(f"{flag} {method} seed {seed}: not run (left out of the table)")
+    for flag, method, seed in runs:
+        path = result_path(args.out, flag, method, _epochs(args, flag), seed)
+        if path.exists():
+            results.append(json.loads(path.read_text()))
+        elif path.with_suffix(".partial.json").exists():
+            r = json.loads(path.with_suffix(".partial.json").read_text())
+            print(f"{flag} {method} seed {seed}: stopped after {len(r['curve'])} of {r['epochs']} epochs "
+                  "(left out of the table)")
+        else:
+            print(f"{flag} {method} seed {seed}: not run (left out of the table)")
     if not results:
         sys.exit("no run finished")
-    print(summarize(results, args.out))
-    for line in plot(results, args.out):
-        print(line)
+    return results
+
+
+def _summary(args: argparse.Namespace, results: list[dict]) -> str:
+    return "\n".join([summarize(results, args.out), *plot(results, args.out)])
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("flag", str), ("method", str), ("seed", int)), arguments=_arguments, runs=_runs,
+              result_path=lambda args, flag, method, seed: result_path(args.out, flag, method, _epochs(args, flag),
+                                                                       seed),
+              worker=_worker, results=_results, summarize=_summary, out=ROOT / "docs" / "medmnist_runs", deadline=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":

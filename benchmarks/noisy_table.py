@@ -39,14 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import (  # noqa: E402
-    apply_threads,
+    Table,
+    curve_mean,
     git_commit,
-    load_results,
-    mean_std,
+    mean_std_of_known,
     paired_difference,
-    run_sweep,
-    sweep_arguments,
-    worker_command,
+    sweep_main,
     write_result,
 )
 
@@ -215,17 +213,6 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
     return result
 
 
-def _run_mean(result: dict, key: str) -> float | None:
-    """The mean of a per-epoch column over the epochs that have it (None where none has)."""
-    values = [row[key] for row in result["curve"] if row.get(key) is not None]
-    return statistics.mean(values) if values else None
-
-
-def _fmt(values: list) -> str:
-    values = [v for v in values if v is not None]
-    return mean_std(values) if values else "-"
-
-
 def summarize(results: list[dict]) -> str:
     """Per data set and noise rate: each method's test accuracy (last and best epoch), why in numbers
     (guessed labels right, x' labels right, the selected share, how far x' moved: means over the
@@ -243,11 +230,11 @@ def summarize(results: list[dict]) -> str:
             rs = list(runs.values())
             if rs:
                 lines.append(
-                    f"| {source} | {rate:.0%} sym | {method} | {len(rs)} | {_fmt([r['final_test_acc'] for r in rs])} | "
-                    f"{_fmt([r['best_test_acc'] for r in rs])} | {_fmt([_run_mean(r, 'guess_acc') for r in rs])} | "
-                    f"{_fmt([_run_mean(r, 'xprime_acc') for r in rs])} | "
-                    f"{_fmt([_run_mean(r, 'selected_fraction') for r in rs])} | "
-                    f"{_fmt([_run_mean(r, 'xprime_perceptual_distance') for r in rs])} | "
+                    f"| {source} | {rate:.0%} sym | {method} | {len(rs)} | {mean_std_of_known([r['final_test_acc'] for r in rs])} | "
+                    f"{mean_std_of_known([r['best_test_acc'] for r in rs])} | {mean_std_of_known([curve_mean(r, 'guess_acc') for r in rs])} | "
+                    f"{mean_std_of_known([curve_mean(r, 'xprime_acc') for r in rs])} | "
+                    f"{mean_std_of_known([curve_mean(r, 'selected_fraction') for r in rs])} | "
+                    f"{mean_std_of_known([curve_mean(r, 'xprime_perceptual_distance') for r in rs])} | "
                     f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {rs[0]['epochs']} |")
         for method, runs in by_method.items():
             base = method.replace("_lpa3", "")
@@ -263,8 +250,7 @@ def summarize(results: list[dict]) -> str:
     return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", nargs="+", default=["mnist5k"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.8, 0.5])
     parser.add_argument("--methods", nargs="+", default=list(METHODS[:5]), choices=METHODS)
@@ -274,25 +260,28 @@ def main() -> None:
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
-    sweep_arguments(parser, out=ROOT / "docs" / "noisy_runs")
-    parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source rate method seed
-    args = parser.parse_args()
-    apply_threads(args.threads)
-    settings = (args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out, args.root)
-    if args.worker:
-        source, rate, method, seed = args.worker
-        run(source, float(rate), method, int(seed), *settings)
-        return
-    todo = [(s, r, seed, m) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
 
-    def command(source: str, rate: float, seed: int, method: str) -> list[str]:
-        return worker_command(__file__, (source, rate, method, seed), {
-            "--epochs": args.epochs, "--warmup": args.warmup, "--refine": args.refine, "--lambda-u": args.lambda_u,
-            "--batch-size": args.batch_size, "--out": args.out, "--root": args.root, "--threads": args.threads})
 
-    run_sweep(todo, lambda source, rate, seed, method: result_path(args.out, source, rate, method, seed, args.epochs),
-              command, args.jobs)
-    print(summarize(load_results(args.out, lambda r: r["epochs"] == args.epochs and r["source"] in args.sources)))
+def _runs(args: argparse.Namespace) -> list[tuple]:
+    return [(s, r, m, seed) for s in args.sources for r in args.rates for seed in args.seeds for m in args.methods]
+
+
+def _worker(args: argparse.Namespace, source: str, rate: float, method: str, seed: int) -> None:
+    run(source, rate, method, seed, args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out,
+        args.root)
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("source", str), ("rate", float), ("method", str), ("seed", int)), arguments=_arguments,
+              runs=_runs, worker=_worker, out=ROOT / "docs" / "noisy_runs",
+              result_path=lambda args, source, rate, method, seed: result_path(args.out, source, rate, method, seed,
+                                                                              args.epochs),
+              keep=lambda args, r: r["epochs"] == args.epochs and r["source"] in args.sources,
+              summarize=lambda args, results: summarize(results))
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
-"""FixMatch against FixMatch + LP-A3 at few labels: EMA test accuracy, wall time, convergence.
+"""FixMatch against FixMatch + LP-A3 at few labels: paired test accuracy, how right the trained labels are, wall time.
 
     python benchmarks/ssl_table.py --sources mnist5k --labels 10 20 40 --seeds 0 1 2 --steps 1000
     python benchmarks/ssl_table.py --sources pneumoniamnist --labels 20 100 --root /path/to/medmnist_npz
 
 Each run trains ``FixMatchClassifier`` (small CNN, the FixMatch recipe, batch 32 + 7 x 32
 unlabeled) for the same number of steps with and without ``LPA3Callback`` (ratio 0.9, sigma
-0.02, the authors' settings; the LP-A3 term after ``--lpa3-warmup`` epochs), evaluates the EMA
-weights (0.999) on the test split every ``--eval-every`` steps, and writes one JSON per run to
-``--out`` (a finished run is not repeated). The summary prints mean +- std of the final EMA
-test accuracy and the wall time per method, and, per seed, the steps and seconds LP-A3 took to
-reach FixMatch's final accuracy (the paper's convergence claim).
+0.02, the authors' settings; the LP-A3 term after ``--lpa3-warmup`` epochs), evaluates the raw
+and the EMA (``--ema-decay``) weights on the test split every ``--eval-every`` steps, tallies
+against the true labels how right the pseudo-labels and ``x'`` labels it trained on were
+(:class:`PseudoLabelTally`), and writes one JSON per run to ``--out`` (a finished run is not
+repeated; ``--summary-only`` starts none). The summary (:func:`summarize`) gives per method the
+accuracies, the tallies, the selected share, how far ``x'`` moved and the wall time; then each
+LP-A3 method against FixMatch seed by seed, with the 95% t interval of the mean difference and
+its verdict; and any run whose tally contradicts its accuracy. ``--plot`` draws the curves.
 """
 
 from __future__ import annotations
@@ -26,14 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import (  # noqa: E402
-    apply_threads,
+    Table,
+    curve_mean,
     git_commit,
-    load_results,
-    mean_std,
+    mean_std_of_known,
     paired_difference,
-    run_sweep,
-    sweep_arguments,
-    worker_command,
+    sweep_main,
     write_result,
 )
 
@@ -252,17 +253,6 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     return result
 
 
-def _run_mean(result: dict, key: str) -> float | None:
-    """The mean of a per-interval column over a run's intervals (None where it never had a value)."""
-    values = [row[key] for row in result["curve"] if row.get(key) is not None]
-    return statistics.mean(values) if values else None
-
-
-def _fmt(values: list) -> str:
-    values = [v for v in values if v is not None]
-    return mean_std(values) if values else "-"
-
-
 def summarize(results: list[dict]) -> str:
     """Per data set and label count: each method's raw-weights test accuracy (the measure of these short
     runs), the EMA's, why in numbers (the pseudo-labels the loss trained on that were right at the last
@@ -282,11 +272,11 @@ def summarize(results: list[dict]) -> str:
             if not rs:
                 continue
             lines.append(
-                f"| {source} | {labels} | {method} | {len(rs)} | {_fmt([r['final_raw_test_acc'] for r in rs])} | "
-                f"{_fmt([r['final_test_acc'] for r in rs])} | {_fmt([r['curve'][-1].get('masked_acc') for r in rs])} / "
-                f"{_fmt([_run_mean(r, 'masked_acc') for r in rs])} | {_fmt([_run_mean(r, 'xprime_kept_acc') for r in rs])} | "
-                f"{_fmt([_run_mean(r, 'selected_fraction') for r in rs])} | "
-                f"{_fmt([_run_mean(r, 'xprime_perceptual_distance') for r in rs])} | "
+                f"| {source} | {labels} | {method} | {len(rs)} | {mean_std_of_known([r['final_raw_test_acc'] for r in rs])} | "
+                f"{mean_std_of_known([r['final_test_acc'] for r in rs])} | {mean_std_of_known([r['curve'][-1].get('masked_acc') for r in rs])} / "
+                f"{mean_std_of_known([curve_mean(r, 'masked_acc') for r in rs])} | {mean_std_of_known([curve_mean(r, 'xprime_kept_acc') for r in rs])} | "
+                f"{mean_std_of_known([curve_mean(r, 'selected_fraction') for r in rs])} | "
+                f"{mean_std_of_known([curve_mean(r, 'xprime_perceptual_distance') for r in rs])} | "
                 f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} |")
             for r in rs:
                 classes = 2 if source in ("pneumoniamnist", "breastmnist") else 10
@@ -337,8 +327,7 @@ def plot_convergence(results: list[dict], path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", nargs="+", default=["mnist5k"])
     parser.add_argument("--labels", nargs="+", type=int, default=[10, 20, 40])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -360,42 +349,46 @@ def main() -> None:
                         help="decay of the EMA weights evaluated beside the raw ones (FixMatch's 0.999 suits its 2^20 "
                              "steps; over 300 steps it still carries the first weights: the raw weights are the measure)")
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
-    sweep_arguments(parser, out=ROOT / "docs" / "ssl_runs")
     parser.add_argument("--plot", type=Path, default=None, help="write the convergence plot (PNG) here")
-    parser.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)  # source labels method seed
-    args = parser.parse_args()
-    apply_threads(args.threads)
-    if args.worker:
-        source, labels, method, seed = args.worker
-        run(source, int(labels), method, int(seed), args.steps, args.eval_every, args.out, args.root,
-            args.lpa3_warmup, args.regenerate, args.num_workers, args.solve_trained_only, args.lpa3_confidence,
-            args.ema_decay)
-        return
-    todo = [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
 
-    def command(source: str, labels: int, method: str, seed: int) -> list[str]:
-        return worker_command(__file__, (source, labels, method, seed), {
-            "--steps": args.steps, "--eval-every": args.eval_every, "--lpa3-warmup": args.lpa3_warmup,
-            "--regenerate": args.regenerate, "--out": args.out, "--num-workers": args.num_workers,
-            "--solve-trained-only": args.solve_trained_only, "--lpa3-confidence": args.lpa3_confidence,
-            "--ema-decay": args.ema_decay,
-            "--root": args.root, "--threads": args.threads})
 
-    def done(source: str, labels: int, method: str, seed: int) -> Path:
-        return result_path(args.out, source, labels, method, seed, args.steps, args.regenerate,
-                           args.solve_trained_only, args.lpa3_confidence)
+def _runs(args: argparse.Namespace) -> list[tuple]:
+    return [(s, n, m, seed) for s in args.sources for n in args.labels for seed in args.seeds for m in args.methods]
 
-    def this_sweep(r: dict) -> bool:  # fixmatch rows are shared by every LP-A3 setting
-        return r["steps"] == args.steps and r["source"] in args.sources and r["labels"] in args.labels and (
-            r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
-                                          and r.get("solve_trained_only", False) == args.solve_trained_only
-                                          and _threshold(r.get("lpa3_confidence")) == _threshold(args.lpa3_confidence)))
 
-    run_sweep(todo, done, command, args.jobs)
-    results = load_results(args.out, this_sweep)
-    print(summarize(results))
+def _result_path(args: argparse.Namespace, source: str, labels: int, method: str, seed: int) -> Path:
+    return result_path(args.out, source, labels, method, seed, args.steps, args.regenerate, args.solve_trained_only,
+                       args.lpa3_confidence)
+
+
+def _worker(args: argparse.Namespace, source: str, labels: int, method: str, seed: int) -> None:
+    run(source, labels, method, seed, args.steps, args.eval_every, args.out, args.root, args.lpa3_warmup,
+        args.regenerate, args.num_workers, args.solve_trained_only, args.lpa3_confidence, args.ema_decay)
+
+
+def _this_sweep(args: argparse.Namespace, r: dict) -> bool:
+    """The runs of these settings in --out, every seed there; the fixmatch rows are shared by every LP-A3 setting."""
+    return r["steps"] == args.steps and r["source"] in args.sources and r["labels"] in args.labels and (
+        r["method"] == "fixmatch" or (r["regenerate_every_n_epochs"] == args.regenerate
+                                      and r.get("solve_trained_only", False) == args.solve_trained_only
+                                      and _threshold(r.get("lpa3_confidence")) == _threshold(args.lpa3_confidence)))
+
+
+def _summary(args: argparse.Namespace, results: list[dict]) -> str:
+    text = summarize(results)
     if args.plot and results:
-        print(f"plot: {plot_convergence(results, args.plot)}")
+        text += f"\nplot: {plot_convergence(results, args.plot)}"
+    return text
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("source", str), ("labels", int), ("method", str), ("seed", int)), arguments=_arguments,
+              runs=_runs, result_path=_result_path, worker=_worker, summarize=_summary, out=ROOT / "docs" / "ssl_runs",
+              keep=_this_sweep)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":

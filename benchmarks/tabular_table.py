@@ -22,15 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (  # noqa: E402
-    apply_threads,
-    load_results,
-    mean_std,
-    run_sweep,
-    sweep_arguments,
-    worker_command,
-    write_result,
-)
+from benchmarks.harness import Table, mean_std, sweep_main, write_result  # noqa: E402
 
 DATASETS = ("breast_cancer", "digits")
 METHODS = ("baseline", "lpa3")
@@ -54,34 +46,36 @@ def _worker(dataset: str, method: str, seed: int, epochs: int, out: Path) -> Non
         "label_preserved": logged.get("lpa3/label_preserved_epoch")})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--epochs", type=int, default=30)
-    sweep_arguments(parser, ROOT / "runs" / "tabular", seeds=(0, 1, 2, 3, 4))
-    parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    apply_threads(args.threads)
-    if args.worker:
-        dataset, method, seed = args.worker
-        _worker(dataset, method, int(seed), args.epochs, args.out)
-        return
-    runs = [(d, m, s) for d in args.datasets for m in args.methods for s in args.seeds]
-    run_sweep(runs, lambda d, m, s: args.out / f"{d}_{m}_{s}.json",
-              lambda d, m, s: worker_command(__file__, (d, m, s), {"--epochs": args.epochs, "--out": args.out,
-                                                                   "--threads": args.threads}),
-              args.jobs)
-    results = load_results(args.out, lambda r: r["seed"] in args.seeds and r["epochs"] == args.epochs)
-    print(f"{'data set':14} {'method':9} {'seeds':>5} {'test acc':>16} {'wall s':>16}  per seed")
+
+
+def summarize(args: argparse.Namespace, results: list[dict]) -> str:
+    lines = [f"{'data set':14} {'method':9} {'seeds':>5} {'test acc':>16} {'wall s':>16}  per seed"]
     for dataset in args.datasets:
         for method in args.methods:
             mine = sorted((r for r in results if r["dataset"] == dataset and r["method"] == method),
                           key=lambda r: r["seed"])
             if mine:
                 per_seed = " / ".join(f"{r['test_acc']:.3f}" for r in mine)
-                print(f"{dataset:14} {method:9} {len(mine):5d} {mean_std([r['test_acc'] for r in mine]):>16} "
-                      f"{mean_std([r['wall_s'] for r in mine]):>16}  {per_seed}")
+                lines.append(f"{dataset:14} {method:9} {len(mine):5d} {mean_std([r['test_acc'] for r in mine]):>16} "
+                             f"{mean_std([r['wall_s'] for r in mine]):>16}  {per_seed}")
+    return "\n".join(lines)
+
+
+TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
+              keys=(("dataset", str), ("method", str), ("seed", int)), arguments=_arguments,
+              runs=lambda args: [(d, m, s) for d in args.datasets for m in args.methods for s in args.seeds],
+              result_path=lambda args, d, m, s: args.out / f"{d}_{m}_{s}.json",
+              worker=lambda args, d, m, s: _worker(d, m, s, args.epochs, args.out),
+              keep=lambda args, r: r["seed"] in args.seeds and r["epochs"] == args.epochs,
+              summarize=summarize, out=ROOT / "runs" / "tabular", seeds=(0, 1, 2, 3, 4))
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main(TABLE, argv)
 
 
 if __name__ == "__main__":

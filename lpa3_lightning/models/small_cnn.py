@@ -6,7 +6,7 @@ grid (4 x 4 by default) and a linear head. No dropout. Why a grid and not one gl
 digits are told apart by where their strokes are, and a global average throws that away; on
 clean MNIST-5k (batch 64, SGD 0.02) the 4 x 4 head reaches 0.88 test accuracy after one epoch
 and 0.96 after two, where the global average (``pool_size=1``) reaches 0.61 and 0.76
-(``python benchmarks/small_cnn_head.py``), and the CPU-scale semi-supervised and noisy-label
+(measured with a script removed after commit 84cc9d8, ``benchmarks/small_cnn_head.py``), and the CPU-scale semi-supervised and noisy-label
 runs depend on a network that learns that fast. The stages are named ``block1``, ``block2``, ``block3``, so LP-A3's default feature
 layers (:func:`lpa3_lightning.core.feature_layers.default_feature_layers`) are their outputs, as for the
 Wide-ResNets. Every BatchNorm is an ``nn.BatchNorm2d``, so

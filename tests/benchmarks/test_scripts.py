@@ -4,7 +4,8 @@ One subprocess imports each script in ``benchmarks/`` and calls its ``main()`` w
 (argparse exits before any work), and resolves every ``from lpa3_lightning... import ...``,
 ``from benchmarks... import ...`` and ``from tests... import ...`` in it, also those inside
 functions (a removed name there would surface only when the script runs). Also: no script uses
-a name the 0.2.0 API removed, and ``gpu_session.sh`` parses.
+a name the 0.2.0 API removed, ``gpu_session.sh`` parses, and ``benchmarks/README.md`` has a row
+for every script there and none for a script that is gone.
 """
 
 from __future__ import annotations
@@ -109,3 +110,10 @@ def test_the_gpu_session_parses_and_its_default_limits_fit_in_480_seconds():
     env = int(re.search(r"timeout (\d+) \$PY benchmarks/gpu_summary.py --env", text).group(1))
     summary = int(re.search(r"^SUMMARY_LIMIT=(\d+)", text, flags=re.M).group(1))
     assert sum(used) + env + summary == int(budget.group(2))
+
+
+def test_the_readme_has_a_row_for_every_script_and_only_for_those():
+    rows = re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", (BENCHMARKS / "README.md").read_text(), flags=re.M)
+    assert len(rows) == len(set(rows))
+    shared = {"harness.py", "callbacks.py"}  # modules the scripts import, listed under "Shared code"
+    assert set(rows) == {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh")} - shared
