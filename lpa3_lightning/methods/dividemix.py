@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
@@ -62,7 +61,7 @@ from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen
 from lpa3_lightning.methods.dividemix_parts import co_guess, co_refine, negative_entropy, prior_penalty
 from lpa3_lightning.methods.dividemix_split import DivideMixPhase, DivideMixSplitMixin
-from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
+from lpa3_lightning.methods.guess_tally import GuessTally, warn_on_collapse
 from lpa3_lightning.methods.mixmatch import linear_rampup, mixup, mixup_lambda, probability_mse, soft_cross_entropy
 from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
 from lpa3_lightning.methods.pes import split_two_view_batch
@@ -333,10 +332,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             if counts is None:
                 continue
             together = counts if together is None else together + counts
-            share, message = guess_collapse_warning("DivideMix", counts, labeled_counts.get(name), f" ({name})")
-            report[f"dividemix/{name}/guess_top_class_share"] = share
-            if message is not None:
-                rank_zero_warn(message)
+            report[f"dividemix/{name}/guess_top_class_share"] = warn_on_collapse("DivideMix", counts,
+                                                                                 labeled_counts.get(name), f" ({name})")
         if together is not None:
             report["dividemix/guess_top_class_share"] = float(together.max() / together.sum())
         return report

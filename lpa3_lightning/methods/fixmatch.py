@@ -35,7 +35,6 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +43,7 @@ from torch import Tensor
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
-from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning, top_class_share
+from lpa3_lightning.methods.guess_tally import GuessTally, top_class_share, warn_on_collapse
 from lpa3_lightning.methods.settings import FixMatchSettings
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
@@ -194,10 +193,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         counts, labeled_counts = made.take(classes, device), labeled.take(classes, device)
         if counts is None:
             return {}
-        share, message = guess_collapse_warning("FixMatch", counts, labeled_counts)
-        if message is not None:
-            rank_zero_warn(message)
-        return {"fixmatch/pseudo_label_top_class_share": share}
+        return {"fixmatch/pseudo_label_top_class_share": warn_on_collapse("FixMatch", counts, labeled_counts)}
 
     def fixmatch_loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """FixMatch's loss plus the LP-A3 term for one training batch.

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 __all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning",
-           "top_class_share"]
+           "top_class_share", "warn_on_collapse"]
 
 #: the largest class's share of the epoch's guessed labels above which they are called collapsed ...
 COLLAPSE_SHARE = 0.5
@@ -93,6 +94,14 @@ def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor |
         "epoch, and the validation accuracy per class."
     )
     return share, message
+
+
+def warn_on_collapse(method: str, counts: Tensor, labeled_counts: Tensor | None, where: str = "") -> float:
+    """:func:`guess_collapse_warning`, its warning given (``rank_zero_warn``); returns the share."""
+    share, message = guess_collapse_warning(method, counts, labeled_counts, where)
+    if message is not None:
+        rank_zero_warn(message)
+    return share
 
 
 #: per method: what the made labels are, how the loss uses them, the forward to check, the split, the weight

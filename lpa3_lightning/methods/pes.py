@@ -57,14 +57,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
 from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_rank
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
-from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
+from lpa3_lightning.methods.guess_tally import GuessTally, warn_on_collapse
 from lpa3_lightning.methods.mixmatch import (
     agreement_split,
     class_balance_weights,
@@ -387,10 +386,7 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         counts = tally.take(int(self.lpa3_num_classes or 0), next(model.parameters()).device)
         if counts is None:
             return {}
-        share, message = guess_collapse_warning("PES", counts, self._pes_labeled_counts)
-        if message is not None:
-            rank_zero_warn(message)
-        return {"pes/guess_top_class_share": share}
+        return {"pes/guess_top_class_share": warn_on_collapse("PES", counts, self._pes_labeled_counts)}
 
     # ------------------------------------------------------------------ checkpoint
     def pes_state_dict(self) -> dict[str, Any]:
