@@ -17,7 +17,7 @@ from lpa3_lightning.core.selection import select_below_threshold, selection_thre
 from lpa3_lightning.core.solver_graphs import SolverGraphs
 from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AttackStats",
