@@ -43,7 +43,7 @@ from torch import Tensor
 from lpa3_lightning.core.augmented import LPA3Request
 from lpa3_lightning.core.checks import check_class_labels
 from lpa3_lightning.methods.base import BatchNormStatisticsFrozen, LPA3ModuleMixin
-from lpa3_lightning.methods.guess_tally import GuessTally, top_class_share, warn_on_collapse
+from lpa3_lightning.methods.guess_tally import GuessTally, warn_on_collapse
 from lpa3_lightning.methods.settings import FixMatchSettings
 
 __all__ = ["FixMatchLPA3Mixin", "split_semi_supervised_batch"]
@@ -174,9 +174,9 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         if self._fixmatch_tallies is None:
             self._fixmatch_tallies = (GuessTally(), GuessTally())
         made, labeled = self._fixmatch_tallies
-        made.add_labels(pseudo[confident], classes)
+        step = made.add_labels(pseudo, classes, counted=confident)
         labeled.add_labels(y, classes)
-        return top_class_share(pseudo[confident], classes)
+        return step.max() / step.sum()  # NaN (0 / 0) on a step without confident pseudo-labels
 
     def fixmatch_pseudo_label_report(self) -> dict[str, float]:
         """Read this epoch's confident pseudo-labels and labeled targets by class (once: one host read, an

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning",
-           "top_class_share", "warn_on_collapse"]
+__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning", "warn_on_collapse"]
 
 #: the largest class's share of the epoch's guessed labels above which they are called collapsed ...
 COLLAPSE_SHARE = 0.5
@@ -44,11 +43,16 @@ class GuessTally:
         """Count the argmax of each row of ``guess`` ``(B, C)`` (a sharpened guess, or logits)."""
         self.add_labels(guess.argmax(1), guess.shape[1])
 
-    def add_labels(self, labels: Tensor, classes: int) -> None:
-        """Count ``labels`` ``(N,)`` of ``classes`` classes (e.g. the confident pseudo-labels)."""
+    def add_labels(self, labels: Tensor, classes: int, counted: Tensor | None = None) -> Tensor:
+        """Count ``labels`` ``(N,)`` of ``classes`` classes, only where ``counted`` (a bool ``(N,)``, e.g.
+        the confident pseudo-labels; None: all), without a host read (a boolean index would read the
+        count on the host). Returns this call's counts ``(C,)``."""
+        weights = torch.ones_like(labels, dtype=torch.float32) if counted is None else counted.float()
+        step = torch.zeros(classes, device=labels.device).index_add_(0, labels.long(), weights)
         if self.counts is None or self.counts.shape[0] != classes or self.counts.device != labels.device:
             self.counts = torch.zeros(classes, device=labels.device)
-        self.counts.index_add_(0, labels.long(), torch.ones_like(labels, dtype=self.counts.dtype))
+        self.counts += step
+        return step
 
     def take(self, classes: int, device: torch.device | str) -> Tensor | None:
         """The counts ``(C,)`` on the host (summed over the ranks under DDP: a collective every rank
@@ -124,14 +128,3 @@ _WORDING = {
         "`train/<network>/labeled_share`, `dividemix.threshold`, `split_per_class`, `stratified_split`",
         "an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`)"),
 }
-
-
-def top_class_share(labels: Tensor, num_classes: int) -> Tensor:
-    """The largest class's share of ``labels`` (a device scalar, no host read; NaN for no labels).
-
-    Example:
-        >>> float(top_class_share(torch.tensor([1, 1, 1, 0]), 3))
-        0.75
-    """
-    counts = torch.bincount(labels.reshape(-1).long(), minlength=num_classes).float()
-    return counts.max() / counts.sum()  # 0 / 0 = NaN when nothing is counted
