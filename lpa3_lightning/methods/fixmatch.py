@@ -236,6 +236,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
                 num_aug, kept_rate = len(augmented), kept.sum() / selected
         loss = loss_l + settings.lambda_u * loss_u + settings.lpa3_weight * loss_a
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
-                 "mask_rate": mask.mean(), "pseudo_label_top_class_share": self._count_pseudo_labels(pseudo, mask > 0, y),
+                 "mask_rate": mask.mean(),
+                 "pseudo_label_top_class_share": self._count_pseudo_labels(pseudo, mask > 0, y),
                  "num_augmented": torch.tensor(float(num_aug)), "lpa3_kept_rate": kept_rate.detach()}
         return loss, parts

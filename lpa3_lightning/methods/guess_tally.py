@@ -19,7 +19,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning", "warn_on_collapse"]
+__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning",
+           "warn_on_collapse"]
 
 #: the largest class's share of the epoch's guessed labels above which they are called collapsed ...
 COLLAPSE_SHARE = 0.5
@@ -90,8 +91,8 @@ def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor |
     key = method.lower()
     what, loss, cause, split, weight = _WORDING[key]
     message = (
-        f"{method}{where}: {share:.0%} of this epoch's {int(total)} {what} are class {top}, while the labeled set holds "
-        f"{labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves those labels "
+        f"{method}{where}: {share:.0%} of this epoch's {int(total)} {what} are class {top}, while the labeled set "
+        f"holds {labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves those labels "
         f"in each x'), so the network is learning one class for the unlabeled images. Likely causes: {cause}; a "
         f"labeled set with few samples of the other classes ({split}); {weight}; the learning rate. Where to look: "
         f"`{key}/{'pseudo_label' if key == 'fixmatch' else 'guess'}_top_class_share` in the logger (TensorBoard) per "
