@@ -92,8 +92,8 @@ def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor |
     what, loss, cause, split, weight = _WORDING[key]
     message = (
         f"{method}{where}: {share:.0%} of this epoch's {int(total)} {what} are class {top}, while the labeled set "
-        f"holds {labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves those labels "
-        f"in each x'), so the network is learning one class for the unlabeled images. Likely causes: {cause}; a "
+        f"holds {labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves those "
+        f"labels in each x'), so the network is learning one class for the unlabeled images. Likely causes: {cause}; a "
         f"labeled set with few samples of the other classes ({split}); {weight}; the learning rate. Where to look: "
         f"`{key}/{'pseudo_label' if key == 'fixmatch' else 'guess'}_top_class_share` in the logger (TensorBoard) per "
         "epoch, and the validation accuracy per class."
