@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 __all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning",
@@ -105,6 +104,9 @@ def warn_on_collapse(method: str, counts: Tensor, labeled_counts: Tensor | None,
     """:func:`guess_collapse_warning`, its warning given (``rank_zero_warn``); returns the share."""
     share, message = guess_collapse_warning(method, counts, labeled_counts, where)
     if message is not None:
+        # imported here: the mixins import without Lightning (a plain PyTorch loop may use them)
+        from lightning.pytorch.utilities import rank_zero_warn
+
         rank_zero_warn(message)
     return share
 
