@@ -60,7 +60,8 @@ def test_the_resume_command_continues_the_runs_own_logs(tmp_path, monkeypatch):
     resume = [str(ROOT / arg) if arg.startswith("configs/") else arg for arg in resume]  # (the repository's)
     at = resume.index("--ckpt_path")
     first = resume[:at] + resume[at + 2:]  # the interrupted run: the same command without the checkpoint
-    short = ["--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+    # 2 batches: from the command line "1" reaches Lightning as 1.0, which it reads as the whole epoch
+    short = ["--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
              "--data.init_args.batch_size=8", "--test_after_fit=false"]
     monkeypatch.chdir(tmp_path)  # (the README's paths are relative: runs/...)
     main(["fit", *first, "--trainer.max_epochs=1", *short])

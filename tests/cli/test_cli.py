@@ -45,8 +45,8 @@ def test_fit_then_test_from_the_command_line(tmp_path, capsys):
     main([
         "fit", "--config", str(CONFIGS / "demo_breastmnist_lpa3.yaml"),
         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
-        "--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false",
+        "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
+        "--trainer.limit_test_batches=2", "--trainer.enable_progress_bar=false",
         "--data.init_args.batch_size=8", "--model.init_args.milestones=[1]",
     ])
     out = capsys.readouterr().out
@@ -123,7 +123,7 @@ def test_the_saved_config_equals_the_settings_that_ran(tmp_path):
     assert config.read_text() != text
     cli = build_cli(["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
                      f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_epochs=1",
-                     "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
+                     "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
                      "--trainer.enable_progress_bar=false", "--test_after_fit=false",
                      "--data.init_args.batch_size=8"])
     ran = _lpa3(cli)

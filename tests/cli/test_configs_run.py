@@ -33,7 +33,7 @@ FAMILIES = {
 def test_a_config_of_each_family_fits_a_few_steps_with_hard_positives(config, tmp_path):
     overrides, callback_settings = FAMILIES[config]
     cli = build_cli(["--config", str(CONFIGS / config), *overrides, "--trainer.logger=false",
-                     f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=1",
+                     f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=2",
                      "--trainer.enable_progress_bar=false"], run=False)
     callbacks = [c for c in cli.trainer.callbacks if isinstance(c, LPA3Callback)]
     assert len(callbacks) == 1
@@ -62,7 +62,7 @@ def test_a_fit_with_the_tensorboard_logger_keeps_the_settings_as_plain_hparams_a
 
     args = ["--config", str(CONFIGS / "noisy/mnist5k_sym50_pes_lpa3.yaml"), f"--trainer.default_root_dir={tmp_path}",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_epochs=1",
-            "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+            "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
             f"--data.init_args.noise_file={tmp_path / 'noise.json'}", "--model.init_args.pes.class_weight_cap=2.5"]
     cli = build_cli(args, run=False)
     assert cli.model.lpa3_settings == PESSettings(early_epochs=5, refine_epochs=0, lambda_u=25.0, class_weight_cap=2.5)

@@ -199,7 +199,7 @@ class OwnModule(TinyClassifier):
 def _fit_from_the_command_line(tmp_path, model: list[str]) -> str:
     """``lpa3 fit`` for one step on :class:`Digits`; the checkpoint it wrote."""
     main(["fit", *model, "--data", "tests.cli.test_show.Digits", "--trainer.max_epochs=1",
-          "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", "--trainer.accelerator=cpu",
+          "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=0", "--trainer.accelerator=cpu",
           f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
           "--trainer.callbacks+=lpa3_lightning.LPA3Callback", "--trainer.callbacks.init_args.steps=1",
           "--trainer.callbacks.init_args.input_range=null"])

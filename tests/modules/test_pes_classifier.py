@@ -52,7 +52,7 @@ def test_the_mnist5k_row_fits_from_the_command_line_for_one_epoch_of_each_phase(
     config.write_text(text)
     args = ["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_epochs=3",
-            "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1",
+            "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
             f"--data.init_args.noise_file={tmp_path / 'noise.json'}", "--data.init_args.batch_size=16"]
     cli = build_cli(args, run=True)
     assert cli.trainer.current_epoch == 3 and "test/acc" in cli.trainer.callback_metrics  # test_after_fit ran
