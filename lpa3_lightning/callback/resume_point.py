@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ResumePoint", "last_batch_checkpoint", "resume_into_epoch_end"]
+__all__ = ["ResumePoint", "drop_pending_position", "last_batch_checkpoint", "resume_into_epoch_end"]
 
 
 @dataclass
@@ -46,9 +46,27 @@ class ResumePoint:
 
     def epoch_end(self, trainer: Any) -> None:
         """At the rewritten epoch's end: the logging step count of the uninterrupted run (Lightning
-        adds the finished batch's step after a validation only)."""
+        adds the finished batch's step after a validation only), and no restored sampler position
+        left pending for the next epoch."""
         loop = trainer.fit_loop.epoch_loop
         loop._batches_that_stepped = max(loop._batches_that_stepped, self.batches_that_stepped)
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        for loader in getattr(combined, "flattened", None) or []:
+            drop_pending_position(loader)
+
+
+def drop_pending_position(loader: Any) -> None:
+    """Forget a restored position a loader's samplers hold for their next iterator.
+
+    torchdata's ``StatefulDistributedSampler`` (and ``_StatefulRandomSamplerIterator``) apply a
+    loaded position at their next ``__iter__``; the rewritten epoch draws no batch, so that next
+    iterator would be the next epoch's, which would then start at the end of its pass and train
+    nothing. (The package's ``EpochSampler`` already ties a restored position to its own iterator.)
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if getattr(sampler, "next_yielded", None) is not None:
+            sampler.next_yielded = None
 
 
 def _fit_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | None:

@@ -81,7 +81,18 @@ def _lpa3(trainer: pl.Trainer) -> LPA3Callback:
     return next(c for c in trainer.callbacks if isinstance(c, LPA3Callback))
 
 
-def _fit(root: Path, check_val_every_n_epoch: int, ckpt: Path | None = None, plain: bool = False) -> Trace:
+def _torchdata_loader() -> Any:
+    """torchdata's own stateful loader and sampler (what a DDP user may pick instead of the package's)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    data = indexed_images(N)
+    return StatefulDataLoader(data, batch_size=BATCH,
+                              sampler=StatefulDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+
+
+def _fit(root: Path, check_val_every_n_epoch: int, ckpt: Path | None = None, plain: bool = False,
+         torchdata: bool = False) -> Trace:
     pl.seed_everything(0)
     trace = Trace()
     trainer = pl.Trainer(
@@ -90,7 +101,7 @@ def _fit(root: Path, check_val_every_n_epoch: int, ckpt: Path | None = None, pla
         callbacks=[LPA3Callback(ratio=0.5, steps=1, seed=0, input_range=None), trace, GlobalRandomState(),
                    ModelCheckpoint(dirpath=root / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)])
     loader = DataLoader(indexed_images(N), batch_size=BATCH, shuffle=False) if plain else \
-        train_loader(indexed_images(N), BATCH, seed=0)
+        _torchdata_loader() if torchdata else train_loader(indexed_images(N), BATCH, seed=0)
     trainer.fit(Traced(), loader, DataLoader(indexed_images(8, seed=1), batch_size=BATCH), ckpt_path=ckpt)
     return trace
 
@@ -107,6 +118,16 @@ def test_a_resume_from_any_checkpoint_runs_the_hooks_of_the_uninterrupted_fit(tm
         assert resumed.events == full.events[resumed.resumed_at:], ckpt.name
         # (from the last batch's checkpoint nothing is solved after the resume: the checkpoint's layers)
         assert resumed.final_settings == full.final_settings, ckpt.name
+
+
+def test_torchdatas_own_sampler_resumed_into_an_epochs_end_gives_the_next_epoch_its_batches(tmp_path):
+    """torchdata's StatefulDistributedSampler keeps a restored position pending until its next
+    iterator: the rewritten epoch draws no batch, so without a reset the next epoch would start at
+    the end of its pass and train nothing."""
+    full = _fit(tmp_path / "full", 1, torchdata=True)
+    for step in (3, 6):  # the last batches of epochs 0 and 1
+        resumed = _fit(tmp_path / f"resumed{step}", 1, tmp_path / "full" / "ckpt" / f"step={step}.ckpt", torchdata=True)
+        assert resumed.events == full.events[resumed.resumed_at:], step
 
 
 def test_a_loader_without_state_resumed_from_a_last_batch_checkpoint_ends_the_lpa3_epoch_and_warns(tmp_path):
