@@ -13,6 +13,7 @@ mixin reads its settings from one attribute, ``lpa3_settings``, a frozen datacla
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -169,6 +170,18 @@ class LPA3ModuleMixin:
             setattr(self, attr, value)
         else:
             self.__dict__.setdefault("_lpa3_named_slots", {})[(attr, network)] = value
+
+    def lpa3_forward_context(self) -> Any:
+        """The run's precision for a forward made outside ``training_step``: Lightning's
+        precision plugin's forward context (autocast under ``"bf16-mixed"`` / ``"16-mixed"``) when
+        a trainer is attached, else a no-op.
+
+        The callback calls :meth:`lpa3_request` in ``on_train_batch_start``, outside the autocast
+        Lightning puts around ``training_step``: a request that forwards the model to make its
+        labels (FixMatch's pseudo-labels, PES's and DivideMix's guesses) forwards inside this, so
+        the labels it hands the solver and the loss are those the run's precision gives."""
+        precision = getattr(getattr(self, "_trainer", None), "precision_plugin", None)
+        return precision.forward_context() if precision is not None else contextlib.nullcontext()
 
     def lpa3_logits(self, output: Any) -> Tensor:
         """Map ``lpa3_model()``'s output to logits (the adapter for tuple / dict / dataclass outputs).

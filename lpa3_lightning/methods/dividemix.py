@@ -181,10 +181,11 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             was_training = other.training
             other.eval()
             try:
-                if per_view:  # Train_cifar.py:66-67: one forward per view
-                    logits = [self.lpa3_logits(other(u)).float() for u in (u1, u2)]
-                else:
-                    logits = list(self.lpa3_logits(other(torch.cat([u1, u2]))).float().split(u1.shape[0]))
+                with self.lpa3_forward_context():
+                    if per_view:  # Train_cifar.py:66-67: one forward per view
+                        logits = [self.lpa3_logits(other(u)).float() for u in (u1, u2)]
+                    else:
+                        logits = list(self.lpa3_logits(other(torch.cat([u1, u2]))).float().split(u1.shape[0]))
             finally:
                 other.train(was_training)
             predictions[network] = (u1, u2, torch.stack([torch.softmax(v, 1) for v in logits]))
@@ -197,7 +198,7 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
         them (``"reference"``). A rank with no rows (SyncBatchNorm's collective) keeps its buffers."""
         kept = batchnorm_buffers_kept(model) if v1.shape[0] == 0 else contextlib.nullcontext()
         mode = self.lpa3_settings.guess_bn_updates
-        with torch.no_grad(), kept:
+        with torch.no_grad(), kept, self.lpa3_forward_context():
             if mode == "reference":  # Train_cifar.py:64-65 and 76-77: each view alone
                 return self.lpa3_logits(model(v1)).float(), self.lpa3_logits(model(v2)).float()
             with contextlib.nullcontext() if mode else BatchNormStatisticsFrozen(model):

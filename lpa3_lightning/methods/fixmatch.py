@@ -31,7 +31,6 @@ is FixMatch's reference step and nothing more (``tests/methods/test_fixmatch_ref
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -125,10 +124,7 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
     def _request_pseudo_labels(self, batch: Any) -> tuple[Tensor, Tensor]:
         """The pseudo-labels the training forward will compute, before it runs: the same joint
         forward without gradient, in the run's precision, BatchNorm running statistics unchanged."""
-        trainer = getattr(self, "_trainer", None)
-        precision = getattr(trainer, "precision_plugin", None)
-        with BatchNormStatisticsFrozen(self.lpa3_model()), torch.no_grad(), \
-                (precision.forward_context() if precision is not None else contextlib.nullcontext()):
+        with BatchNormStatisticsFrozen(self.lpa3_model()), torch.no_grad(), self.lpa3_forward_context():
             weak_logits = self.fixmatch_forward(batch)[1]
         return self.fixmatch_pseudo_labels(weak_logits)
 
@@ -167,10 +163,10 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         """Whether the LP-A3 term counts in this epoch (after ``lpa3_loss_warmup_epochs``)."""
         return int(getattr(self, "current_epoch", 0)) >= self.lpa3_settings.lpa3_loss_warmup_epochs
 
-    def _count_pseudo_labels(self, pseudo: Tensor, confident: Tensor, y: Tensor) -> Tensor:
-        """Count this step's confident pseudo-labels and labeled targets by class (device work, read
-        once an epoch by :meth:`fixmatch_pseudo_label_report`); the step's largest class's share."""
-        classes = self.lpa3_num_classes or int(max(int(pseudo.max()), int(y.max())) + 1)
+    def _count_pseudo_labels(self, pseudo: Tensor, confident: Tensor, y: Tensor, classes: int) -> Tensor:
+        """Count this step's confident pseudo-labels and labeled targets by ``classes`` classes (the
+        logits' width: the same on every step and rank; device work, read once an epoch by
+        :meth:`fixmatch_pseudo_label_report`); the step's largest class's share."""
         if self._fixmatch_tallies is None:
             self._fixmatch_tallies = (GuessTally(), GuessTally())
         made, labeled = self._fixmatch_tallies
@@ -188,7 +184,9 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         training epoch (the ready :class:`~lpa3_lightning.FixMatchClassifier` does, and logs the share)."""
         made, labeled = self._fixmatch_tallies or (GuessTally(), GuessTally())
         self._fixmatch_tallies = None
-        classes = int(self.lpa3_num_classes or 0)
+        # the tallies' width (the logits'); a rank that counted nothing joins the all-reduce with
+        # zeros of the module's class count
+        classes = made.counts.shape[0] if made.counts is not None else int(self.lpa3_num_classes or 0)
         device = next(self.lpa3_model().parameters()).device
         counts, labeled_counts = made.take(classes, device), labeled.take(classes, device)
         if counts is None:
@@ -237,6 +235,6 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         loss = loss_l + settings.lambda_u * loss_u + settings.lpa3_weight * loss_a
         parts = {"loss_labeled": loss_l.detach(), "loss_unlabeled": loss_u.detach(), "loss_lpa3": loss_a.detach(),
                  "mask_rate": mask.mean(),
-                 "pseudo_label_top_class_share": self._count_pseudo_labels(pseudo, mask > 0, y),
+                 "pseudo_label_top_class_share": self._count_pseudo_labels(pseudo, mask > 0, y, logits_w.shape[1]),
                  "num_augmented": torch.tensor(float(num_aug)), "lpa3_kept_rate": kept_rate.detach()}
         return loss, parts

@@ -270,12 +270,12 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         else:  # (a rank without unlabeled rows still forwards its empty batch where SyncBatchNorm syncs)
             kept = batchnorm_buffers_kept(model) if u1.shape[0] == 0 else contextlib.nullcontext()
             if self.lpa3_settings.guess_forward == "reference":  # PES_semi.py:100-102: u1, then u2
-                with kept:
+                with kept, self.lpa3_forward_context():
                     logits_u1 = self.lpa3_logits(model(u1)).float()
                     logits_u2 = self.lpa3_logits(model(u2)).float()
                 probs_u1, probs_u2 = torch.softmax(logits_u1, 1), torch.softmax(logits_u2, 1)
             else:
-                with BatchNormStatisticsFrozen(model), kept:
+                with BatchNormStatisticsFrozen(model), kept, self.lpa3_forward_context():
                     logits = self.lpa3_logits(model(torch.cat([u1, u2]))).float()
                 probs = torch.softmax(logits, 1)
                 logits_u1, probs_u1, probs_u2 = logits[: u1.shape[0]], probs[: u1.shape[0]], probs[u1.shape[0]:]

@@ -474,3 +474,20 @@ def test_varied_pseudo_labels_give_no_collapse_warning(tmp_path):
     assert not [w for w in caught if "confident pseudo-labels are class" in str(w.message)]
     shares = [r["fixmatch/pseudo_label_top_class_share"] for r in module.reports]
     assert len(shares) == 2 and all(s < 0.6 for s in shares), shares  # three classes, each about a third
+
+
+def test_under_bf16_mixed_the_requests_forward_is_the_training_forward(tmp_path):
+    """The callback asks for the pseudo-labels in on_train_batch_start, outside the autocast Lightning puts
+    around training_step: the request's joint forward runs in the run's precision, so its logits are the
+    training forward's (in float32 they differ from bfloat16's by about 1e-2)."""
+    pl.seed_everything(0)
+    module = UserFixMatch(num_unlabeled=64, loss_warmup=0, confidence=0.4)
+    rows = 4 + 2 * 16  # _loaders: 4 labeled + 16 weak + 16 strong
+    outputs: list[torch.Tensor] = []
+    module.net.register_forward_hook(
+        lambda _m, inputs, out: outputs.append(out.detach().float()) if inputs[0].shape[0] == rows else None)
+    callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=1, seed=0, input_range=None)
+    _trainer(tmp_path, [callback], max_epochs=1, precision="bf16-mixed", limit_train_batches=3).fit(module, _loaders())
+    assert len(outputs) == 6  # the request's and the step's, each step
+    for request, step in zip(outputs[0::2], outputs[1::2]):
+        torch.testing.assert_close(request, step, rtol=0, atol=0)
