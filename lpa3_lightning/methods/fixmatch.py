@@ -136,14 +136,15 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
     def lpa3_request(self, batch: Any) -> LPA3Request:
         """The weak view, its pseudo-labels (from the joint forward the step will make) and indices.
 
-        In an epoch where :meth:`lpa3_consumes_augmented` says no ``x'`` is trained (the LP-A3
-        term's warm-up, with ``solve_trained_only``) the callback solves nothing and reads no label,
-        so no forward is spent: the request carries label 0 for every row, and an all-False
-        ``train_mask``.
+        During a fit, in an epoch where :meth:`lpa3_consumes_augmented` says no ``x'`` is trained
+        (the LP-A3 term's warm-up, with ``solve_trained_only``), the callback solves nothing and reads
+        no label, so no forward is spent: the request carries label 0 for every row, and an all-False
+        ``train_mask``. Outside a fit the pseudo-labels are always computed.
         """
         _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
         settings = self.lpa3_settings
-        if not self.lpa3_consumes_augmented(int(getattr(self, "current_epoch", 0))):
+        in_fit = bool(getattr(getattr(self, "_trainer", None), "training", False))
+        if in_fit and not self.lpa3_consumes_augmented(int(getattr(self, "current_epoch", 0))):
             unused = torch.zeros(x_weak.shape[0], dtype=torch.long, device=x_weak.device)
             return LPA3Request(inputs=x_weak, targets=unused, indices=idx, train_mask=unused.bool())
         confidence, pseudo = self._request_pseudo_labels(batch)

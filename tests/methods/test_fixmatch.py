@@ -491,3 +491,13 @@ def test_under_bf16_mixed_the_requests_forward_is_the_training_forward(tmp_path)
     assert len(outputs) == 6  # the request's and the step's, each step
     for request, step in zip(outputs[0::2], outputs[1::2]):
         torch.testing.assert_close(request, step, rtol=0, atol=0)
+
+
+def test_outside_a_fit_the_request_always_gives_the_pseudo_labels():
+    """The warm-up's shortcut (no forward, label 0) is for the callback inside a fit only: a request made
+    by hand, e.g. to look at the pseudo-labels, gets them."""
+    module = UserFixMatch(num_unlabeled=10, loss_warmup=5)  # the LP-A3 term still warming up at epoch 0
+    probs = torch.tensor([[0.1, 0.8, 0.1], [0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.2, 0.7, 0.1]])
+    _given_pseudo_labels(module, probs)
+    assert module.lpa3_request(_tiny_batch()).targets.tolist() == [1, 0, 2, 1]
+    assert module.lpa3_split_batch(_tiny_batch())[1].tolist() == [1, 0, 2, 1]
