@@ -109,8 +109,13 @@ def _images(checkpoint: dict[str, Any], root: str | None, split: str, num: int) 
                          "class is then saved too), or draw x' from your own code with "
                          "lpa3_lightning.core.visualize.save_comparison_grid.")
     root = root or data_hparams.get("root")
-    if "flag" in data_hparams or "source" not in data_hparams:
-        name = data_hparams.get("flag", "breastmnist")
+    if "flag" not in data_hparams and "source" not in data_hparams:
+        raise SystemExit("lpa3 show: error: the checkpoint's data module hyperparameters name no MedMNIST `flag` and no "
+                         f"`source` ({sorted(data_hparams)}), so the images it was trained on are unknown. Fix: train "
+                         "with `lpa3 fit` (it saves the data module's class), or draw x' from your own code with "
+                         "lpa3_lightning.core.visualize.save_comparison_grid.")
+    if "flag" in data_hparams:
+        name = data_hparams["flag"]
         data: Any = MedMNISTDataModule(name, root=root)
         data.setup("fit" if split in ("train", "val") else "test")
         dataset = {"train": data.train_dataset, "val": data.val_dataset, "test": data.test_dataset}[split]

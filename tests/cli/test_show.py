@@ -222,3 +222,18 @@ def test_show_draws_the_checkpoints_own_data_through_its_own_module(tmp_path, ca
     assert out.count("label preserved") == 5  # the header and the four images
     with Image.open(tmp_path / "show.png") as image:
         assert image.size == (4 * 30 + 2, 3 * 30 + 2)
+
+
+def test_show_refuses_a_checkpoint_whose_data_module_it_cannot_rebuild(tmp_path, capsys):
+    """A fit from Python on the user's own data module saves its hyperparameters but not its class: the
+    command names what is missing and the fix instead of drawing BreastMNIST through the model."""
+    ckpt = _fit_from_the_command_line(tmp_path, ["--model", "lpa3_lightning.LPA3Classifier",
+                                                 "--model.init_args.in_channels=1", "--model.init_args.num_classes=3"])
+    checkpoint = torch.load(ckpt, weights_only=False)
+    hparams = checkpoint["datamodule_hyper_parameters"]
+    checkpoint["datamodule_hyper_parameters"] = {k: v for k, v in hparams.items() if not k.startswith("_")}
+    assert checkpoint["datamodule_hyper_parameters"] == {"batch_size": 8}  # (what a fit from Python saves)
+    torch.save(checkpoint, tmp_path / "from_python.ckpt")
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="no MedMNIST `flag` and no `source`.*Fix"):
+        main(["show", "--ckpt", str(tmp_path / "from_python.ckpt"), "--out", str(tmp_path / "show.png")])
