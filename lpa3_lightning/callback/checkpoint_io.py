@@ -37,8 +37,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.partial")  # one name: an interrupted write's is overwritten
-        with open(partial, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            os.fsync(file.fileno())  # whole on the disk before it takes the target's name
+        try:
+            with open(partial, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())  # whole on the disk before it takes the target's name
+        except BaseException:
+            partial.unlink(missing_ok=True)  # a failed save (an unpicklable object, a full disk) leaves nothing
+            raise
         os.replace(partial, target)
+        _sync_folder(target.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the folder's entry of the renamed file to the disk (POSIX; a no-op where a folder cannot be opened)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder
+    finally:
+        os.close(descriptor)
