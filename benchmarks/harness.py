@@ -134,9 +134,11 @@ def write_result(path: Path, result: Mapping[str, Any]) -> None:
 
 
 def git_commit() -> str:
-    """The repository's commit (with ``+dirty`` when its tracked files differ), recorded in each run's JSON."""
+    """The repository's commit (``+dirty`` when the package's or the benchmarks' tracked files differ from
+    it), recorded in each run's JSON."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "lpa3_lightning"], cwd=ROOT).returncode != 0
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "lpa3_lightning", "benchmarks"],
+                           cwd=ROOT).returncode != 0
     return head.stdout.strip() + ("+dirty" if dirty else "") if head.returncode == 0 else "unknown"
 
 
@@ -156,6 +158,10 @@ def paired_difference(base: Mapping[int, float], other: Mapping[int, float], con
     seeds = sorted(set(base) & set(other))
     diffs = [other[s] - base[s] for s in seeds]
     n = len(diffs)
+    if not all(math.isfinite(d) for d in diffs):  # a diverged run (NaN accuracy) is no evidence either way
+        return {"seeds": seeds, "diffs": diffs, "mean": math.nan, "std": math.nan, "ci": (math.nan, math.nan),
+                "confidence": confidence, "above": sum(d > 0 for d in diffs), "n": n,
+                "verdict": "a run without a finite accuracy: no interval"}
     mean = statistics.mean(diffs) if diffs else math.nan
     std = statistics.stdev(diffs) if n > 1 else math.nan
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n) if n > 1 else math.nan

@@ -25,8 +25,11 @@ The callback needs the pseudo-labels before the step (it solves in ``on_train_ba
 the module's mode and the run's precision, BatchNorm running statistics left as they were. Its
 pseudo-labels are those of the training forward that follows (same weights, same batch, same
 statistics), so the label the solver preserves is the one the loss trains ``x'`` with, in the forward
-the solver verified (:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`). Without the callback the step
-is FixMatch's reference step and nothing more (``tests/methods/test_fixmatch_reference.py``).
+the solver verified (:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`). (With dropout in the network the
+two forwards draw different masks, so a pseudo-label may differ between them: the ``x'`` term then
+trains the label the solver preserved, FixMatch's term its own forward's.) Without the callback the step
+is FixMatch's reference step and nothing more; the package's test suite checks both against a
+transcription of the reference's step.
 """
 
 from __future__ import annotations

@@ -39,3 +39,8 @@ def test_a_tally_at_chance_beside_a_high_accuracy_is_flagged_and_the_reverse_too
     assert contradiction({"masked_acc": 0.10, "raw_test_acc": 0.12, "masked_count": 224}, 10) is None  # both low
     assert contradiction({"masked_acc": 0.0, "raw_test_acc": 0.53, "masked_count": 3}, 10) is None  # too few counted
     assert contradiction({"masked_acc": None, "raw_test_acc": 0.9}, 10) is None
+
+
+def test_a_diverged_run_gives_no_verdict():
+    assert paired_difference({0: 0.9, 1: 0.8}, {0: float("nan"), 1: 0.85})["verdict"] == \
+        "a run without a finite accuracy: no interval"
