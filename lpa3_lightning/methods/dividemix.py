@@ -96,9 +96,9 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
         return self.dividemix_model(network)
 
     def dividemix_other(self, network: str) -> str:
-        """The network whose split trains ``network`` (co-divide)."""
-        first, second = self._dm_check_name(network)
-        return second if network == first else first
+        """The network whose split trains ``network`` (co-divide); an unknown name is refused by name."""
+        self._dm_check_name(network)
+        return self._dm_partner(network)
 
     def _dm_check_name(self, network: str) -> tuple[str, str]:
         names = self.lpa3_networks()

@@ -100,30 +100,33 @@ def batchnorms(module: nn.Module) -> list[_BatchNorm]:
     return [m for m in module.modules() if isinstance(m, _BatchNorm)]
 
 
-def assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+def assert_close(actual: Tensor, expected: Tensor, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def assert_same_gradients(package: nn.Module, reference: nn.Module,
-                          rename: Callable[[str], str] = lambda name: name) -> None:
+                          rename: Callable[[str], str] = lambda name: name, rtol: float = RTOL,
+                          atol: float = ATOL) -> None:
     """Each parameter of ``package`` has a gradient equal to its counterpart's in ``reference``
-    (``rename`` maps a package name to the reference's), and at least one is not zero."""
+    (``rename`` maps a package name to the reference's; ``rtol``, ``atol`` for a reference whose
+    reductions run in another order), and at least one is not zero."""
     reference_params = dict(reference.named_parameters())
     nonzero = 0
     for name, param in package.named_parameters():
         other = reference_params[rename(name)]
         got = torch.zeros_like(param) if param.grad is None else param.grad
         want = torch.zeros_like(other) if other.grad is None else other.grad
-        assert_close(got, want, f"gradient of {name}")
+        assert_close(got, want, f"gradient of {name}", rtol, atol)
         nonzero += int(bool(got.abs().sum() > 0))
     assert nonzero > 0
 
 
 def assert_same_buffers(package: nn.Module, reference: nn.Module,
-                        rename: Callable[[str], str] = lambda name: name) -> None:
+                        rename: Callable[[str], str] = lambda name: name, rtol: float = RTOL,
+                        atol: float = ATOL) -> None:
     reference_buffers = bn_buffers(reference)
     for name, value in bn_buffers(package).items():
-        assert_close(value.float(), reference_buffers[rename(name)].float(), f"BatchNorm buffer {name}")
+        assert_close(value.float(), reference_buffers[rename(name)].float(), f"BatchNorm buffer {name}", rtol, atol)
 
 
 def clone(net: nn.Module) -> nn.Module:
