@@ -152,8 +152,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
     @torch.no_grad()
     def _dm_partner_predictions(self, batch: Any, network: str) -> tuple[Tensor, Tensor, Tensor]:
         """The two views ``u1``, ``u2`` of the rows unlabeled for ``network`` and its partner's
-        eval-mode predictions of them ``(2, U, C)``. Made for every network at the first guess of a batch, before any train-mode
-        forward of the step (``guess_bn_updates`` True or ``"reference"`` moves the running
+        eval-mode predictions of them ``(2, U, C)``. Made for every network at the first guess of a
+        batch, before any train-mode forward of the step (``guess_bn_updates`` True or ``"reference"`` moves the running
         statistics the partner's eval forward reads), so each guess takes its partner as it is at
         the start of the step; each network's are handed out once (to its guess), then dropped."""
         x1, x2, _, idx = split_two_view_batch(batch)
