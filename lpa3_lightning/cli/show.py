@@ -139,7 +139,13 @@ def _own_images(cls: type, hparams: dict[str, Any], split: str, num: int) -> tup
     data = cls(**{key: value for key, value in hparams.items() if not key.startswith("_")})
     data.setup("fit" if split in ("train", "val") else "test")
     loader = getattr(data, {"train": "train_dataloader", "val": "val_dataloader", "test": "test_dataloader"}[split])()
-    dataset = loader.dataset
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or not hasattr(dataset, "__len__"):
+        raise SystemExit(f"lpa3 show: error: {cls.__name__}.{split}_dataloader() returns a {type(loader).__name__} "
+                         "without one map-style dataset (e.g. a CombinedLoader of labeled and unlabeled batches), so "
+                         "the command cannot take its first images. Fix: pass --split with a split whose loader is a "
+                         "DataLoader, or draw x' from your own code with "
+                         "lpa3_lightning.core.visualize.save_comparison_grid.")
     return default_collate([dataset[i] for i in range(min(num, len(dataset)))]), cls.__name__, \
         getattr(data, "normalization", None)
 
