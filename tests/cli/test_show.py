@@ -237,3 +237,20 @@ def test_show_refuses_a_checkpoint_whose_data_module_it_cannot_rebuild(tmp_path,
     capsys.readouterr()
     with pytest.raises(SystemExit, match="no MedMNIST `flag` and no `source`.*Fix"):
         main(["show", "--ckpt", str(tmp_path / "from_python.ckpt"), "--out", str(tmp_path / "show.png")])
+
+
+class TwoStreams(pl.LightningDataModule):
+    """A user's semi-supervised data module: its training loader combines a labeled and an unlabeled stream."""
+
+    def train_dataloader(self):
+        from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+        loader = DataLoader(indexed_images(8), batch_size=4)
+        return CombinedLoader({"labeled": loader, "unlabeled": loader}, mode="max_size_cycle")
+
+
+def test_show_names_the_fix_when_a_splits_loader_has_no_single_dataset():
+    from lpa3_lightning.cli.show import _own_images
+
+    with pytest.raises(SystemExit, match="TwoStreams.train_dataloader.*CombinedLoader.*Fix: pass --split"):
+        _own_images(TwoStreams, {}, "train", 4)
