@@ -137,7 +137,7 @@ def _dividemix_model(arch: str, classes: int, channels: int, warmup: int, lambda
       seed: 0  # the Gaussian mixture's initialisation
       split_per_class: false  # true: one Gaussian mixture per noisy class (ours, not the authors')
       stratified_split: {str(stratified).lower()}  # true: the first split's count, by class, lowest losses (ours)
-      guess_bn_updates: false  # true: the guessing forwards move BatchNorm statistics, as the authors' code
+      guess_bn_updates: false  # reference: one view a forward, each moving BatchNorm statistics, as the authors' code
       prior_weight: 1.0  # 0 turns the prior penalty off
       class_prior: {prior}
     twin_bn: true
