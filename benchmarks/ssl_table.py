@@ -250,6 +250,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "regenerate_every_n_epochs": regenerate, "final_raw_test_acc": curve.rows[-1]["raw_test_acc"],
               "num_workers": num_workers, "auto_max_step_fraction": AUTO_MAX_STEP_FRACTION,
               "solve_trained_only": solve_trained_only, "ema_decay": ema_decay,
+              "ema": f"{type(ema).__name__}, buffers {'copied' if ema.copy_buffers else 'averaged'}",
               "torch_threads": torch.get_num_threads(), "commit": git_commit(),
               "lpa3_confidence": (module.lpa3_settings.lpa3_confidence_threshold if method.startswith("fixmatch_lpa3")
                                   else None)}
