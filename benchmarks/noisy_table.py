@@ -21,7 +21,10 @@ lowest-loss rows); ``dividemix_st_cp`` / ``dividemix_st_cp_lpa3`` (not run by de
 stratified split and the class-share prior; ``dividemix_pc_cp`` / ``dividemix_pc_cp_lpa3`` (not
 run by default) the mixture per class and the class-share prior; ``dividemix_pc_st*`` (not run by
 default) the stratified split with a mixture per class (each class keeps its first count); ``pes_lpa3_sigma002`` (not run by default) PES + LP-A3
-with sigma 0.002, the LP-A3 paper's setting for its 10-class noisy-label rows (CIFAR-10).
+with sigma 0.002, the LP-A3 paper's setting for its 10-class noisy-label rows (CIFAR-10); ``pes_null`` /
+``dividemix_null`` (not run by default) the callback's control ``augment="null"`` (``x' = x``: the LP-A3
+term's rows, labels and weight without the solver). ``--noise-convention`` chooses the symmetric noise
+(default ``any``, the references').
 One JSON per run in ``--out``; a finished
 run is not repeated. The summary prints mean +- std per method.
 """
@@ -51,11 +54,21 @@ from benchmarks.harness import (  # noqa: E402
 METHODS = ("ce", "pes", "pes_lpa3", "dividemix", "dividemix_lpa3", "pes_lpa3_conf90", "dividemix_pc", "dividemix_pc_lpa3",
            "dividemix_cp", "dividemix_cp_lpa3", "dividemix_st", "dividemix_st_lpa3", "dividemix_st_cp",
            "dividemix_st_cp_lpa3", "pes_lpa3_sigma002", "dividemix_pc_cp", "dividemix_pc_cp_lpa3",
-           "dividemix_pc_st", "dividemix_pc_st_lpa3", "dividemix_pc_st_cp", "dividemix_pc_st_cp_lpa3")
+           "dividemix_pc_st", "dividemix_pc_st_lpa3", "dividemix_pc_st_cp", "dividemix_pc_st_cp_lpa3",
+           "pes_null", "dividemix_null")
+
+#: The symmetric noise of each convention (``NoisyLabelDataModule(noise_convention=...)``): ``"any"``, a uniform
+#: re-draw over all classes, is both references' (PES and DivideMix; configs/noisy/make_configs.py, the paper rows),
+#: so a share ``rate / C`` of the re-drawn labels stays right; ``"other"`` always draws a wrong label, which at 90% on
+#: ten classes leaves the true class at 10%, tied with each wrong one (the labels carry no signal).
+CONVENTIONS = ("any", "other")
 
 
-def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int) -> Path:
-    return out / f"{source}_r{int(round(rate * 100))}_{method}_e{epochs}_seed{seed}.json"
+def result_path(out: Path, source: str, rate: float, method: str, seed: int, epochs: int,
+                convention: str = "other") -> Path:
+    # (runs before the flag drew "other" and keep their names)
+    tag = "" if convention == "other" else f"_{convention}"
+    return out / f"{source}_r{int(round(rate * 100))}{tag}_{method}_e{epochs}_seed{seed}.json"
 
 
 def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: float):
@@ -88,8 +101,11 @@ def build(method: str, data, epochs: int, warmup: int, refine: int, lambda_u: fl
                                                           "stratified_split": "st" in options})
         start = warmup
     sigma = 0.002 if "sigma002" in options else 0.02
-    callback = LPA3Callback(ratio=0.9, sigma=sigma, steps=5, warmup_epochs=start, seed=0) \
-        if "lpa3" in options else None
+    # null: the callback's control (augment="null", x' = x): the same selected rows, guessed labels and weight
+    # as the LP-A3 term, without the solver
+    callback = LPA3Callback(ratio=0.9, sigma=sigma, steps=5, warmup_epochs=start, seed=0,
+                            augment="null" if "null" in options else "lpa3") \
+        if "lpa3" in options or "null" in options else None
     return module, callback
 
 
@@ -151,19 +167,19 @@ class NoisyTally:
 
 
 def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: int, refine: int, lambda_u: float,
-        batch_size: int, out: Path, root: str | None) -> dict:
+        batch_size: int, out: Path, root: str | None, convention: str = "other") -> dict:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
 
     from lpa3_lightning.data import NoisyLabelDataModule
 
-    path = result_path(out, source, rate, method, seed, epochs)
+    path = result_path(out, source, rate, method, seed, epochs, convention)
     if path.exists():
         return json.loads(path.read_text())
     pl.seed_everything(seed)
-    data = NoisyLabelDataModule(source, root=root, noise_rate=rate, noise_mode="symmetric", noise_convention="other",
-                                seed=seed, batch_size=batch_size)
+    data = NoisyLabelDataModule(source, root=root, noise_rate=rate, noise_mode="symmetric",
+                                noise_convention=convention, seed=seed, batch_size=batch_size)
     data.setup("fit")
     data.setup("test")
     actual_noise = float((data.noisy_train_labels != data.clean_train_labels).mean())
@@ -208,7 +224,8 @@ def run(source: str, rate: float, method: str, seed: int, epochs: int, warmup: i
               "epochs": epochs, "warmup": warmup, "refine": refine, "lambda_u": lambda_u, "batch_size": batch_size,
               "final_test_acc": curve.rows[-1]["test_acc"], "best_test_acc": max(r["test_acc"] for r in curve.rows),
               "wall_seconds": curve.seconds, "curve": curve.rows, "torch_threads": torch.get_num_threads(),
-              "commit": git_commit()}
+              "commit": git_commit(), "noise_convention": convention,
+              "augment": None if lpa3 is None else lpa3.augment}
     write_result(path, result)
     return result
 
@@ -237,8 +254,8 @@ def summarize(results: list[dict]) -> str:
                     f"{mean_std_of_known([curve_mean(r, 'xprime_perceptual_distance') for r in rs])} | "
                     f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} | {rs[0]['epochs']} |")
         for method, runs in by_method.items():
-            base = method.replace("_lpa3", "")
-            if "_lpa3" not in method or len(set(runs) & set(by_method.get(base, {}))) < 2:
+            base = method.replace("_lpa3", "").replace("_null", "")
+            if base == method or len(set(runs) & set(by_method.get(base, {}))) < 2:
                 continue
             d = paired_difference({s: r["final_test_acc"] for s, r in by_method[base].items()},
                                   {s: r["final_test_acc"] for s, r in runs.items()})
@@ -260,6 +277,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lambda-u", type=float, default=25.0)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--root", default=None, help="folder of the MedMNIST npz files (mnist5k ships)")
+    parser.add_argument("--noise-convention", choices=CONVENTIONS, default="any",
+                        help="symmetric noise: 'any' (default; PES's and DivideMix's code: a uniform re-draw over all "
+                             "classes, so some re-drawn labels stay right) or 'other' (always a wrong label; the runs "
+                             "before this flag)")
 
 
 def _runs(args: argparse.Namespace) -> list[tuple]:
@@ -268,15 +289,16 @@ def _runs(args: argparse.Namespace) -> list[tuple]:
 
 def _worker(args: argparse.Namespace, source: str, rate: float, method: str, seed: int) -> None:
     run(source, rate, method, seed, args.epochs, args.warmup, args.refine, args.lambda_u, args.batch_size, args.out,
-        args.root)
+        args.root, args.noise_convention)
 
 
 TABLE = Table(script=__file__, description=__doc__.splitlines()[0],
               keys=(("source", str), ("rate", float), ("method", str), ("seed", int)), arguments=_arguments,
               runs=_runs, worker=_worker, out=ROOT / "docs" / "noisy_runs",
               result_path=lambda args, source, rate, method, seed: result_path(args.out, source, rate, method, seed,
-                                                                              args.epochs),
-              keep=lambda args, r: r["epochs"] == args.epochs and r["source"] in args.sources,
+                                                                              args.epochs, args.noise_convention),
+              keep=lambda args, r: r["epochs"] == args.epochs and r["source"] in args.sources
+              and r.get("noise_convention", "other") == args.noise_convention,
               summarize=lambda args, results: summarize(results))
 
 

@@ -40,8 +40,16 @@ from benchmarks.harness import (  # noqa: E402
 
 #: fixmatch_lpa3_random: the same count of rows selected at random each epoch instead of by TCS
 #: (selection.criterion="random", the paper's selection ablation); fixmatch_lpa3_authors: the
-#: LP-A3 authors' solver and selection (preset="authors")
-METHODS = ("fixmatch", "fixmatch_lpa3", "fixmatch_lpa3_random", "fixmatch_lpa3_authors")
+#: LP-A3 authors' solver and selection (preset="authors"); fixmatch_null / fixmatch_noise: the
+#: callback's controls (augment="null": x' = x, the extra term alone; augment="noise": x plus noise
+#: of the norm the paired fixmatch_lpa3 run's x' reached, its JSON's mean_input_distance)
+METHODS = ("fixmatch", "fixmatch_lpa3", "fixmatch_lpa3_random", "fixmatch_lpa3_authors", "fixmatch_null",
+           "fixmatch_noise")
+
+
+def _augment(method: str) -> str:
+    """The callback's ``augment`` of a method (FixMatch alone has no callback)."""
+    return {"fixmatch_null": "null", "fixmatch_noise": "noise"}.get(method, "lpa3")
 
 
 def _threshold(lpa3_confidence: float | None) -> float:
@@ -51,7 +59,7 @@ def _threshold(lpa3_confidence: float | None) -> float:
 
 def result_path(out: Path, source: str, labels: int, method: str, seed: int, steps: int, regenerate: int,
                 solve_trained_only: bool = False, lpa3_confidence: float | None = None) -> Path:
-    lpa3 = method.startswith("fixmatch_lpa3")
+    lpa3 = method != "fixmatch"  # (every method with the callback, the controls included)
     cache = f"_k{regenerate}" if lpa3 and regenerate != 1 else ""
     trained = "_trained" if lpa3 and solve_trained_only else ""
     # the module's default threshold (0.9, the authors') keeps the file names the earlier runs have
@@ -131,16 +139,19 @@ class XPrimeDiagnostics:
     the ``x'`` moved in the model's feature space: the hardness measure) and ``label_preserved``
     (share of trained ``x'`` keeping their label in the forward that trains them), NaN-ignoring means."""
 
-    KEYS = ("selected_fraction", "perceptual_distance", "label_preserved")
+    KEYS = ("selected_fraction", "perceptual_distance", "label_preserved", "input_distance")
 
     def __init__(self) -> None:
         self.values: dict[str, list[float]] = {k: [] for k in self.KEYS}
+        self.input_distances: list[float] = []  # every step's, over the run (the noise control's norm)
 
     def count(self, trainer) -> None:
         for key in self.KEYS:
             value = trainer.callback_metrics.get(f"lpa3/{key}_step")
             if value is not None and math.isfinite(float(value)):
                 self.values[key].append(float(value))
+                if key == "input_distance":
+                    self.input_distances.append(float(value))
 
     def interval(self) -> dict:
         values, self.values = self.values, {k: [] for k in self.KEYS}
@@ -180,6 +191,15 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     path = result_path(out, source, labels, method, seed, steps, regenerate, solve_trained_only, lpa3_confidence)
     if path.exists():
         return json.loads(path.read_text())
+    noise_norm = None
+    if method == "fixmatch_noise":
+        paired = result_path(out, source, labels, "fixmatch_lpa3", seed, steps, regenerate, solve_trained_only,
+                             lpa3_confidence)
+        if not paired.exists() or json.loads(paired.read_text()).get("mean_input_distance") is None:
+            raise FileNotFoundError(f"fixmatch_noise takes its noise norm from the paired LP-A3 run {paired}, which "
+                                    "is missing or has no mean_input_distance. Fix: run fixmatch_lpa3 with the same "
+                                    "flags and seed first.")
+        noise_norm = json.loads(paired.read_text())["mean_input_distance"]
     pl.seed_everything(seed)
     data = SemiSupervisedDataModule(source, root=root, num_labels=labels, seed=seed, batch_size=32, mu=7,
                                     eval_batch_size=500, num_workers=num_workers)
@@ -234,11 +254,12 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     curve = Curve()
     # the curve callback first: its timer includes the LP-A3 callback's work in on_train_batch_start
     callbacks: list[Callback] = [curve, ema]
-    if method.startswith("fixmatch_lpa3"):
+    if method != "fixmatch":
         callbacks.insert(1, LPA3Callback(ratio=0.9, sigma=0.02, steps=5, seed=seed,
                                          preset="authors" if method == "fixmatch_lpa3_authors" else "package",
                                          selection={"criterion": "random"} if method == "fixmatch_lpa3_random" else None,
                                          cache={"regenerate_every_n_epochs": regenerate},
+                                         augment=_augment(method), noise_norm=noise_norm,
                                          logging={"every_n_steps": 1}))  # the diagnostics of every step
     trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accelerator="cpu", devices=1, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -252,8 +273,11 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
               "solve_trained_only": solve_trained_only, "ema_decay": ema_decay,
               "ema": f"{type(ema).__name__}, buffers {'copied' if ema.copy_buffers else 'averaged'}",
               "torch_threads": torch.get_num_threads(), "commit": git_commit(),
-              "lpa3_confidence": (module.lpa3_settings.lpa3_confidence_threshold if method.startswith("fixmatch_lpa3")
-                                  else None)}
+              "lpa3_confidence": module.lpa3_settings.lpa3_confidence_threshold if method != "fixmatch" else None,
+              "augment": _augment(method) if method != "fixmatch" else None, "noise_norm": noise_norm,
+              "mean_input_distance": (statistics.mean(diagnostics.input_distances) if diagnostics.input_distances
+                                      else None),
+              "eval_every": eval_every}
     write_result(path, result)
     return result
 
@@ -314,7 +338,8 @@ def plot_convergence(results: list[dict], path: Path) -> Path:
     for row, (source, labels) in enumerate(groups):
         for r in (r for r in results if (r["source"], r["labels"]) == (source, labels)):
             color = {"fixmatch": "tab:blue", "fixmatch_lpa3": "tab:red", "fixmatch_lpa3_random": "tab:green",
-                     "fixmatch_lpa3_authors": "tab:orange"}[r["method"]]
+                     "fixmatch_lpa3_authors": "tab:orange", "fixmatch_null": "tab:gray",
+                     "fixmatch_noise": "tab:purple"}[r["method"]]
             for col, x_key in enumerate(("step", "train_seconds")):
                 xs = [c[x_key] for c in r["curve"]]
                 axes[row][col].plot(xs, [c["raw_test_acc"] for c in r["curve"]], color=color, alpha=0.8,

@@ -30,7 +30,7 @@ from lpa3_lightning.core.model_outputs import eval_mode, unwrap_compiled
 from lpa3_lightning.core.solver_forward import label_log_prob, parameter_dtype
 from lpa3_lightning.core.solver_graphs import SolverGraphs
 
-__all__ = ["Augmenter", "NewRows", "batch_noise_seed", "check_logits", "warn_outside_box"]
+__all__ = ["Augmenter", "NewRows", "batch_noise_seed", "check_logits", "noise_in_box", "warn_outside_box"]
 
 #: (dataset indices, x', labels) of the rows solved in this batch, for the cache
 NewRows = tuple[Tensor, Tensor, Tensor]
@@ -80,6 +80,7 @@ class Augmenter:
         self.pending: tuple[Tensor, Tensor] | None = None  # (clean log p(y|x), y) of the x' to be trained
         self.eval_preserved: Tensor | None = None
         self.solver_seconds: float | None = None
+        self.input_distance: Tensor | None = None  # mean ||x' - x||_2 of a measured batch
 
     # ------------------------------------------------------------------ the batch
     def augment(self, module: Any, request: LPA3Request, selection: Selection, cache: AugmentationCache | None,
@@ -122,9 +123,20 @@ class Augmenter:
             reference_x = request.inputs.index_select(0, finite_rows.to(request.inputs.device))
             reference_y = request.targets.index_select(0, finite_rows.to(request.targets.device))
         stats, bn_statistics, self.pending, self.eval_preserved = None, None, None, None
-        self.solver_seconds = None
+        self.solver_seconds = self.input_distance = None
         x_out, new_rows = x.detach().clone(), None
-        if x.shape[0]:
+        if x.shape[0] and self.settings.augment != "lpa3":
+            # a control: the same rows, labels and training forward, x' made without the solver (the
+            # reference forward only on a measured step, for lpa3/label_preserved)
+            if measure:
+                _, bn_statistics = self.reference_forward(module, model, reference_x, reference_y, bn_mode,
+                                                          trained, x, y)
+            elif bn_mode == "eval":
+                bn_statistics = running_statistics(model)
+            x_out = self.control_inputs(x)
+            if measure and self.settings.logging.eval_preservation:
+                self.eval_preserved = self.preserved_in_eval_mode(module, model, x, x_out, y)
+        elif x.shape[0]:
             frozen, bn_statistics = self.reference_forward(module, model, reference_x, reference_y, bn_mode,
                                                            trained, x, y)
             to_solve = x if solve is None else x[solve]
@@ -142,6 +154,8 @@ class Augmenter:
                 self.eval_preserved = self.preserved_in_eval_mode(module, model, x, x_out, y)
         elif cache is not None:
             new_rows = (idx[:0], x[:0].detach(), y[:0])
+        if measure and x.shape[0]:
+            self.input_distance = (x_out.detach() - x).flatten(1).float().norm(dim=1).mean()
         augmented = AugmentedBatch(
             inputs=x_out, targets=y, indices=idx, mask=mask, stats=stats,
             reused=0 if reuse is None else int(reuse.sum()), bn_mode=bn_mode, bn_statistics=bn_statistics,
@@ -151,6 +165,19 @@ class Augmenter:
         return augmented, new_rows
 
     # ------------------------------------------------------------------ its parts
+    def control_inputs(self, x: Tensor) -> Tensor:
+        """The ``x'`` of a control (``augment``): ``"null"``, the rows unchanged; ``"noise"``, each row
+        moved along a Gaussian direction (drawn from this batch's solver generator) until, clamped
+        into the input box, it lies ``noise_norm`` from ``x`` in L2 (or as far as the box allows).
+        Detached, like the solver's."""
+        x = x.detach()
+        if self.settings.augment == "null":
+            return x.clone()
+        direction = torch.randn(x.shape, generator=self.generator_for(x), device=x.device, dtype=x.dtype)
+        direction = direction / direction.flatten(1).norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny).view(
+            -1, *[1] * (x.dim() - 1))
+        return noise_in_box(x, direction, float(self.settings.noise_norm), self._range_for(x, x.dtype))
+
     def attack_model(self, module: Any, x: Tensor) -> tuple[nn.Module, str]:
         """The network the solver attacks and its BatchNorm mode; the default feature layers are
         those whose hooks fire in the solver's forwards, probed once with the first selected rows."""
@@ -232,6 +259,39 @@ class Augmenter:
             self._generator = torch.Generator(device=x.device)
         self._generator.manual_seed(batch_noise_seed(self.seed, self.settings.rank, *self.batch_key))
         return self._generator
+
+
+def noise_in_box(x: Tensor, direction: Tensor, norm: float, box: tuple[Tensor, Tensor] | None) -> Tensor:
+    """``x + s * direction`` clamped into ``box``, each row's scale ``s`` set so that the clamped row
+    lies ``norm`` from ``x`` (L2): the clamp shortens a move that leaves the box, so the scale is
+    found by bisection (the distance grows with it). A row whose box is too small for ``norm`` goes
+    as far as 2^20 times ``norm`` takes it. ``direction``: unit rows.
+
+    Example:
+        >>> x = torch.zeros(1, 3)
+        >>> moved = noise_in_box(x, torch.tensor([[0.8, 0.6, 0.0]]), 0.7, (torch.tensor(-0.5), torch.tensor(0.5)))
+        >>> [round(v, 4) for v in moved[0].tolist()], round(float((moved - x).norm()), 4)
+        ([0.5, 0.4899, 0.0], 0.7)
+    """
+    shape = (-1, *[1] * (x.dim() - 1))
+    if box is None:
+        return x + direction * norm
+
+    def moved(scale: Tensor) -> Tensor:
+        return torch.maximum(torch.minimum(x + direction * scale.view(shape), box[1]), box[0])
+
+    def distance(scale: Tensor) -> Tensor:
+        return (moved(scale) - x).flatten(1).norm(dim=1)
+
+    low = torch.zeros(x.shape[0], device=x.device, dtype=x.dtype)
+    high = torch.full_like(low, norm)
+    for _ in range(20):  # grow the bracket where the clamp keeps the row short of the norm
+        high = torch.where(distance(high) < norm, 2 * high, high)
+    for _ in range(40):
+        middle = (low + high) / 2
+        short = distance(middle) < norm
+        low, high = torch.where(short, middle, low), torch.where(short, high, middle)
+    return moved(high)
 
 
 def check_logits(module: Any, model: nn.Module, x: Tensor) -> None:

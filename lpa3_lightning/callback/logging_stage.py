@@ -22,11 +22,13 @@ __all__ = ["BARELY_MOVED", "EPOCH_MEANS", "EpochLog", "log_grid"]
 
 #: Per-epoch diagnostics, each a torchmetrics aggregate synced across processes at epoch end.
 EPOCH_MEANS = ("selected_fraction", "tcs_selected_fraction", "skipped_fraction", "reused_fraction",
-               "perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
+               "perceptual_distance", "input_distance", "projected", "solver_seconds", "label_preserved",
+               "label_preserved_eval")
 
 
 #: The per-``x'`` quantities: measured where a step has ``x'``, NaN where it has none.
-PER_X_PRIME = ("perceptual_distance", "projected", "solver_seconds", "label_preserved", "label_preserved_eval")
+PER_X_PRIME = ("perceptual_distance", "input_distance", "projected", "solver_seconds", "label_preserved",
+               "label_preserved_eval")
 
 #: An ``x'`` closer than this to its ``x`` in the model's feature space (each layer's block has
 #: norm 1 per sample, so distances run up to ``2 sqrt(layers)``) barely moved.
@@ -104,6 +106,8 @@ class EpochLog:
         # tensors, not floats: Lightning accumulates them without a host copy here
         self.mean(module, "perceptual_distance", None if stats is None else stats.perceptual_distance.mean(), solved)
         self.mean(module, "projected", None if stats is None else stats.projected.float().mean(), solved)
+        distance = augmenter.input_distance  # of every x' of the batch (solved, reused, or a control's)
+        self.mean(module, "input_distance", distance, 0 if distance is None else m)
         seconds = augmenter.solver_seconds  # None when not timed (the sync-free path)
         self.mean(module, "solver_seconds", seconds if solved else None, 1 if solved and seconds is not None else 0)
         kept = augmenter.eval_preserved

@@ -37,12 +37,14 @@ from lpa3_lightning.callback.rank_agreement import (
 from lpa3_lightning.callback.resume_point import ResumePoint, last_batch_checkpoint, resume_into_epoch_end
 from lpa3_lightning.callback.runner import NetworkRunner
 from lpa3_lightning.callback.settings import (
+    Augment,
     CacheSettings,
     LoggingSettings,
     RunSettings,
     RuntimeSettings,
     SelectionSettings,
     SolverSettings,
+    check_augment,
     preset_groups,
     unknown_argument,
 )
@@ -76,6 +78,7 @@ class LPA3Callback(Callback):
     ``lpa3/perceptual_distance``, ``lpa3/label_preserved`` (the share of the trained ``x'`` with
     ``log p(y|x') >= log p(y|x) - sigma`` in the forward that trained them),
     ``lpa3/label_preserved_eval`` (the same in the deployed model, a diagnostic),
+    ``lpa3/input_distance`` (the mean L2 norm of ``x' - x``, in the input space),
     ``lpa3/projected`` (pulled back by the bisection), ``lpa3/solver_seconds`` (not on the
     sync-free path), ``lpa3/reused_fraction`` (with a cache), ``lpa3/tcs_selected_fraction``,
     ``lpa3/skipped_fraction`` (selected but not solved: the request's ``train_mask``); a quantity
@@ -119,6 +122,14 @@ class LPA3Callback(Callback):
         preset: ``"package"`` (this package's defaults) or ``"authors"`` (the LP-A3 authors'
             behaviour where a switch restores it: :data:`~lpa3_lightning.callback.settings.PRESETS`),
             for the groups not given.
+        augment: what the selected rows' ``x'`` are: ``"lpa3"`` (the solver's hard positives);
+            two controls that spend no solver time and train exactly the rows, labels and weights
+            LP-A3 would: ``"null"`` (``x' = x``: the extra loss term alone) and ``"noise"`` (``x``
+            plus Gaussian noise of L2 norm ``noise_norm`` per sample, clamped into the input box);
+            or ``"off"``: the callback does nothing (no request, no forward, no memory update), so
+            one config runs with and without LP-A3, and a checkpoint of either loads into the other.
+        noise_norm: the per-sample L2 norm of ``augment="noise"`` (e.g. the mean
+            ``lpa3/input_distance`` an ``augment="lpa3"`` run logged); only with ``"noise"``.
         solver: :class:`~lpa3_lightning.callback.settings.SolverSettings` (or a mapping of its
             fields): the multiplier, temperature, projection, step bound, BN mode, TF32.
         selection: :class:`~lpa3_lightning.callback.settings.SelectionSettings`: the memory's
@@ -156,6 +167,8 @@ class LPA3Callback(Callback):
         layers: str | Sequence[str] | None = None,
         input_range: InputRange | Literal["auto"] = "auto",
         preset: Literal["package", "authors"] = "package",
+        augment: Augment = "lpa3",
+        noise_norm: float | None = None,
         solver: SolverSettings | None = None,
         selection: SelectionSettings | None = None,
         cache: CacheSettings | None = None,
@@ -177,6 +190,7 @@ class LPA3Callback(Callback):
             raise ValueError(f"`input_range` must be 'auto', None, (low, high) or {{'mean': ..., 'std': ...}}, got "
                              f"{input_range!r}. Fix: e.g. (0.0, 1.0) for pixels in [0, 1], the normalisation's "
                              "{'mean': [...], 'std': [...]}, or None for no box.")
+        self.augment, self.noise_norm = check_augment(augment, noise_norm)
         self.sigma, self.steps, self.warmup_epochs, self.seed = float(sigma), steps, warmup_epochs, seed
         self.layers, self.input_range, self.preset = layers, input_range, preset
         groups = preset_groups(preset, solver=solver, selection=selection, cache=cache, runtime=runtime,
@@ -186,6 +200,11 @@ class LPA3Callback(Callback):
         self.cache: CacheSettings = groups["cache"]
         self.runtime: RuntimeSettings = groups["runtime"]
         self.logging: LoggingSettings = groups["logging"]
+        if self.augment in ("null", "noise") and self.cache.regenerate_every_n_epochs > 1:
+            raise ValueError(f"`augment={self.augment!r}` makes its x' without the solver, so there is nothing to cache, "
+                             f"but cache.regenerate_every_n_epochs={self.cache.regenerate_every_n_epochs}. Fix: "
+                             "cache.regenerate_every_n_epochs=1, or augment='lpa3'.")
+        self._off_state: dict[str, Any] | None = None  # augment="off": the checkpoint's LP-A3 state, kept as it came
         self._runners: dict[str | None, NetworkRunner] = {None: NetworkRunner()}
         self._views: dict[str | None, Any] = {}
         self._base_seed: int | None = seed  # fixed at the first fit when None, then kept in checkpoints
@@ -237,6 +256,8 @@ class LPA3Callback(Callback):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, nobody else's
             # a kill while a checkpoint is written must leave the previous one (callback/checkpoint_io.py)
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.augment == "off":
+            return
         names = module_networks(pl_module)
         declared: tuple[str | None, ...] = (None,) if names is None else names
         if tuple(self._runners) != declared:
@@ -275,9 +296,12 @@ class LPA3Callback(Callback):
             ratio=self.ratio, sigma=self.sigma, steps=self.steps, warmup_epochs=self.warmup_epochs,
             seed=self._base_seed, layers=self.layers, input_range=input_range, sync_free=sync_free,
             world_size=trainer.world_size, rank=trainer.global_rank, solver=self.solver, selection=self.selection,
-            cache=self.cache, runtime=self.runtime, logging=self.logging)
+            cache=self.cache, runtime=self.runtime, logging=self.logging, augment=self.augment,
+            noise_norm=self.noise_norm)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.augment == "off":
+            return
         settings = self.resolve(trainer, pl_module)
         for runner, module in self._each(pl_module):
             num_classes = getattr(module, "lpa3_num_classes", None)
@@ -308,6 +332,8 @@ class LPA3Callback(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self.augment == "off":
+            return
         each = self._each(pl_module)
         prepared = [runner.prepare(trainer, module, batch, batch_idx, consumes_of(module)) for runner, module in each]
         agree(trainer, pl_module, prepared, list(self._runners))
@@ -316,6 +342,8 @@ class LPA3Callback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.augment == "off":
+            return
         for runner, module in self._each(pl_module):
             runner.finish(trainer, module)
 
@@ -323,6 +351,8 @@ class LPA3Callback(Callback):
         if self._resume_point is not None:
             self._resume_point.epoch_end(trainer)
             self._resume_point = None
+        if self.augment == "off":
+            return
         pass_over = _pass_over(trainer)
         for runner, module in self._each(pl_module):
             if runner.tcs is not None:
@@ -355,6 +385,8 @@ class LPA3Callback(Callback):
                 Lightning's checkpointing (e.g. on rank 0 alone): assembling it is a collective
                 that the other ranks would never join.
         """
+        if self.augment == "off":  # a checkpoint's LP-A3 state goes on as it came (none: a fresh start)
+            return self._off_state or {"version": STATE_VERSION, "seed": self._base_seed, "networks": {}}
         split = [r for r in self._runners.values() if getattr(r.tcs, "num_shards", 1) > 1]
         if split and not _called_by_lightning():
             shards = split[0].tcs.num_shards  # type: ignore[union-attr]
@@ -374,12 +406,18 @@ class LPA3Callback(Callback):
         Raises:
             ValueError: for a state of another version, or of other networks than the module's.
         """
+        if self.augment == "off":
+            self._off_state = state_dict
+            return
         version = state_dict.get("version")
         if version != STATE_VERSION:
             raise ValueError(f"The checkpoint holds LPA3Callback state of version {version!r}; this lpa3-lightning "
                              f"reads version {STATE_VERSION}. Fix: resume with the version that wrote it, or start a "
                              "new run (drop `ckpt_path`).")
         networks = {None if name == "" else name: state for name, state in state_dict["networks"].items()}
+        if not networks:  # written with augment="off": nothing to continue, the fit starts afresh
+            self._base_seed = state_dict["seed"] if self.seed is None else self.seed
+            return
         if set(networks) != set(self._runners):
             def described(names: Any) -> str:
                 named = sorted(n for n in names if n is not None)

@@ -382,7 +382,7 @@ class NetworkRunner:
         layers = self.augmenter.layer_names if self.augmenter is not None and self.augmenter.layer_names else None
         return {"sigma": s.sigma, "steps": s.steps, "lam": solver.lam, "temperature": solver.temperature,
                 "max_step": solver.max_step, "attack_bn": solver.attack_bn, "project": solver.project,
-                "fast": solver.fast, "allow_tf32": solver.allow_tf32,
+                "fast": solver.fast, "allow_tf32": solver.allow_tf32, "augment": s.augment, "noise_norm": s.noise_norm,
                 "layers": _as_list(layers or self._restored_layers or s.layers), "layers_setting": _as_list(s.layers)}
 
 

@@ -32,8 +32,38 @@ from lpa3_lightning.core.input_box import MaxStep, check_max_step
 from lpa3_lightning.core.selection import check_criterion, check_initial_selection, check_threshold_rule
 from lpa3_lightning.core.tcs import check_divergence, check_initial_memory, storage_dtype_of
 
-__all__ = ["CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
-           "RunSettings", "SHARD_ABOVE_BYTES", "preset_groups", "unknown_argument"]
+__all__ = ["AUGMENTS", "Augment", "CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
+           "RunSettings", "SHARD_ABOVE_BYTES", "check_augment", "preset_groups",
+           "unknown_argument"]
+
+#: What the selected rows' ``x'`` are (``LPA3Callback(augment=...)``): the solver's hard positives,
+#: the two controls (the rows unchanged, the rows plus noise of a given norm), or nothing at all.
+Augment = Literal["lpa3", "null", "noise", "off"]
+AUGMENTS: tuple[str, ...] = ("lpa3", "null", "noise", "off")
+
+
+def check_augment(augment: Any, noise_norm: Any) -> tuple[str, float | None]:
+    """``(augment, noise_norm)`` checked: ``noise_norm`` (a number > 0) with ``"noise"`` and only there.
+
+    Raises:
+        ValueError: naming the argument and the fix.
+
+    Example:
+        >>> check_augment("noise", 1.5)
+        ('noise', 1.5)
+    """
+    check_choice(augment, AUGMENTS, "augment",
+                 "use 'lpa3' (hard positives), 'null' or 'noise' (the controls) or 'off' (no LP-A3 at all).")
+    if augment == "noise":
+        if noise_norm is None:
+            raise ValueError("`augment='noise'` needs `noise_norm`, the L2 norm of each row's noise. Fix: e.g. the "
+                             "mean `lpa3/input_distance` of an augment='lpa3' run of the same config.")
+        return augment, check_number(noise_norm, "noise_norm", "use e.g. the mean lpa3/input_distance of an LP-A3 run.",
+                                     above=0)
+    if noise_norm is not None:
+        raise ValueError(f"`noise_norm` is used by augment='noise' only, but augment={augment!r}. Fix: drop "
+                         "noise_norm, or use augment='noise'.")
+    return augment, None
 
 
 @dataclass(frozen=True)
@@ -309,6 +339,7 @@ class RunSettings:
             resolved for the module's device).
         world_size, rank: the processes of the fit.
         solver, selection, cache, runtime, logging: the groups.
+        augment, noise_norm: what the selected rows' ``x'`` are (the callback's ``augment``).
     """
 
     ratio: float
@@ -326,3 +357,5 @@ class RunSettings:
     cache: CacheSettings
     runtime: RuntimeSettings
     logging: LoggingSettings
+    augment: str = "lpa3"
+    noise_norm: float | None = None
