@@ -1,8 +1,9 @@
-"""What the transcription tests of PES and DivideMix share (``tests/methods/test_pes_reference.py``,
-``tests/methods/test_dividemix_reference.py``): a small network with BatchNorm, a two-view batch, a
-recorder of the random draws a step of the package makes (so that the transcription of the reference
-uses the same mixup ``l`` and the same permutations), and the comparisons of losses, gradients and
-BatchNorm buffers.
+"""What the transcription tests of PES, DivideMix and FixMatch share (``tests/methods/test_pes_reference.py``,
+``tests/methods/test_dividemix_reference.py``, ``tests/methods/test_fixmatch_reference.py``): a small
+network with BatchNorm, the same layout with twin BatchNorms of the transcription's own
+(:class:`AuthorsTwinNet`), a two-view batch, a recorder of the random draws a step of the package makes
+(so that the transcription of the reference uses the same mixup ``l`` and the same permutations), and
+the comparisons of losses, gradients and BatchNorm buffers.
 
 Nothing here computes a loss: the transcriptions are in the test files, next to the line numbers of
 their references.
@@ -14,6 +15,7 @@ import copy
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -131,3 +133,64 @@ def assert_same_buffers(package: nn.Module, reference: nn.Module,
 
 def clone(net: nn.Module) -> nn.Module:
     return copy.deepcopy(net)
+
+
+class AuthorsTwinNet(nn.Module):
+    """The test networks' layout (Conv-BN-ReLU-MaxPool, strided Conv-BN-ReLU, Linear: :func:`small_net`'s and
+    ``test_fixmatch_reference._net``'s) in the form of the LP-A3 authors' networks built with
+    ``bn_adv_flag=True``: every BatchNorm has an ``_adv`` copy that ``forward(x, adv=True)`` uses instead
+    (CausalLearning/LPA3 at 7059ca3: ``FixMatch/models/wideresnet.py`` L50-58 and L68-74, L130-132 and
+    L154-155; ``PES/networks/ResNet.py`` L47-80), with momentum 0.01 (``bn_adv_momentum=0.01``:
+    ``FixMatch/fixmatch_LPA3.py`` L218-219, ``PES/PES_LPA3.py`` L162).
+
+    Its BatchNorms are plain ``nn.BatchNorm2d`` of its own, routed by its own ``forward``: nothing of the
+    package's twin routing (``convert_dual_bn``, ``use_twin_bn``) runs in it, so a package that sends the
+    ``x'`` through its main BatchNorms (or the clean views through the twins) gives other gradients and
+    buffers than this network. Built from a package network converted by ``convert_dual_bn``: the same
+    weights, and the values of each layer's main BatchNorm and of its twin (affine parameters, running
+    statistics, batch count); the momenta are set here (``main_momentum``: the test networks' own
+    ``nn.BatchNorm2d`` default, 0.1), not read from the package's layers."""
+
+    def __init__(self, net: nn.Sequential, main_momentum: float = 0.1, adv_momentum: float = 0.01) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.fc = clone(net[0]), clone(net[4]), clone(net[8])
+        self.bn1, self.bn2 = self._plain(net[1], main_momentum), self._plain(net[5], main_momentum)
+        self.bn1_adv, self.bn2_adv = self._plain(net[1].twin, adv_momentum), self._plain(net[5].twin, adv_momentum)
+
+    @staticmethod
+    def _plain(bn: nn.BatchNorm2d, momentum: float) -> nn.BatchNorm2d:
+        plain = nn.BatchNorm2d(bn.num_features, eps=bn.eps, momentum=momentum)
+        plain.load_state_dict({k: v.detach().clone() for k, v in bn.state_dict().items() if not k.startswith("twin.")})
+        return plain
+
+    def forward(self, x: Tensor, adv: bool = False) -> Tensor:
+        bn1, bn2 = (self.bn1_adv, self.bn2_adv) if adv else (self.bn1, self.bn2)
+        h = F.max_pool2d(F.relu(bn1(self.conv1(x))), 2)
+        h = F.relu(bn2(self.conv2(h)))
+        return self.fc(h.flatten(1))
+
+    def forward_reference_rows(self, reference: Tensor, x: Tensor) -> Tensor:
+        """The package's documented training forward of ``x'`` (docs/method.md section 7, "forward that
+        trains on x'"; not the authors'): ``cat([reference, x])`` through the ``adv`` BatchNorms, every row
+        normalised with the reference rows' batch mean and (biased) variance, no running statistic moved;
+        the ``x`` rows' logits."""
+
+        def norm(bn: nn.BatchNorm2d, h: Tensor) -> Tensor:
+            ref = h[: reference.shape[0]]
+            mean = ref.mean((0, 2, 3), keepdim=True)
+            var = ref.var((0, 2, 3), unbiased=False, keepdim=True)
+            return (h - mean) / torch.sqrt(var + bn.eps) * bn.weight.view(1, -1, 1, 1) + bn.bias.view(1, -1, 1, 1)
+
+        h = torch.cat([reference, x])
+        h = F.max_pool2d(F.relu(norm(self.bn1_adv, self.conv1(h))), 2)
+        h = F.relu(norm(self.bn2_adv, self.conv2(h)))
+        return self.fc(h.flatten(1))[reference.shape[0]:]
+
+
+def authors_name(name: str) -> str:
+    """A parameter or buffer name of the package's twin network (``convert_dual_bn`` of the test layout)
+    -> the :class:`AuthorsTwinNet`'s."""
+    head, _, rest = name.partition(".")
+    if rest.startswith("twin."):
+        return {"1": "bn1_adv", "5": "bn2_adv"}[head] + "." + rest[len("twin."):]
+    return {"0": "conv1", "1": "bn1", "4": "conv2", "5": "bn2", "8": "fc"}[head] + "." + rest

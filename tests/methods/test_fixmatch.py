@@ -155,6 +155,22 @@ def test_the_second_threshold_drops_low_confidence_x_prime():
     assert float(parts["lpa3_kept_rate"]) == 0.5
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_the_pseudo_labels_are_the_softmax_at_the_settings_temperature(temperature):
+    """``fixmatch_pseudo_labels``: the top probability and argmax of ``softmax(weak_logits / T)`` with
+    ``T = FixMatchSettings.temperature`` (kekmodel train.py L368, the authors' fixmatch_LPA3.py L465); the
+    confidences the 0.95 mask and the 0.9 second threshold read are those at ``T``, not at 1."""
+    module = UserFixMatch(num_unlabeled=10)
+    module.lpa3_settings = replace(module.lpa3_settings, temperature=temperature)
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.2, 0.1, 0.4], [-3.0, 1.0, 1.5], [4.0, 0.0, 0.0]])
+    confidence, pseudo = module.fixmatch_pseudo_labels(logits)
+    expected = torch.exp(logits / temperature) / torch.exp(logits / temperature).sum(1, keepdim=True)
+    torch.testing.assert_close(confidence, expected.max(1).values, atol=1e-6, rtol=1e-6)
+    assert pseudo.tolist() == [0, 2, 2, 0]
+    at_1 = torch.softmax(logits, 1).max(1).values
+    assert float((confidence - at_1).abs().min()) > 0.02, (confidence.tolist(), at_1.tolist())
+
+
 def test_a_batch_of_another_layout_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="SemiSupervisedDataModule"):
         split_semi_supervised_batch((torch.zeros(2, 1), torch.zeros(2), torch.arange(2)))

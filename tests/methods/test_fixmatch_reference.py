@@ -10,18 +10,26 @@ Two references, each transcribed here in the test's own words (never imported):
   detached softmax (temperature ``T``), kept where its top probability is >= 0.95; ``Lx`` is the mean
   cross-entropy of the labeled slice, ``Lu`` the mean over the unlabeled rows of the masked
   cross-entropy of the strong slice against the pseudo-labels; ``loss = Lx + lambda_u * Lu``.
-- The LP-A3 authors' FixMatch script (CausalLearning/LPA3 at 7059ca3, ``FixMatch/fixmatch_LPA3.py``
-  lines 431-470): the same joint forward gives ``l_ce`` and ``l_cs``; the hard positives ``x'`` of the
-  selected rows go through the twin BatchNorms in train mode, normalised by the ``x'`` batch's own
-  statistics (``model(inputs_adv, adv=True)``), and ``l_adv`` is the mean over the selected rows of
-  ``CE(F(x'), targets_u[selected]) * 1[max_probs[selected] >= 0.9]``, where ``targets_u`` and
-  ``max_probs`` come from the joint forward; ``loss = l_ce + l_cs + l_adv`` after the warm-up.
-  The package reproduces it with ``FixMatchSettings(train_forward="batch_stats")``.
+- The LP-A3 authors' FixMatch script (CausalLearning/LPA3 at 7059ca3, ``FixMatch/fixmatch_LPA3.py``):
+  the same joint forward (L459-470) gives ``l_ce`` (L464) and ``l_cs`` (L470), its pseudo-labels the
+  softmax at temperature ``args.T`` (L465-466); the LP-A3 term is ``mask_lpa3`` (L468), the forward of
+  the hard positives ``x'`` of the selected rows through the twin (``_adv``) BatchNorms in train mode,
+  normalised by the ``x'`` batch's own statistics (``model(inputs_adv, adv=True)``, L473), and ``l_adv``
+  (L477), the mean over the selected rows of ``CE(F(x'), targets_u[selected]) * 1[max_probs[selected] >=
+  0.9]``, where ``targets_u`` and ``max_probs`` come from the joint forward; the loss is ``l_ce + l_cs +
+  l_adv`` after the warm-up, ``l_ce + l_cs`` before (L479-482). The package reproduces it with
+  ``FixMatchSettings(train_forward="batch_stats")``.
+
+The transcriptions run on :class:`~tests.methods.reference_helpers.AuthorsTwinNet`, a network of the test's
+own with a main and an ``_adv`` ``nn.BatchNorm2d`` per layer as the authors' ``WideResNet(bn_adv_flag=True)``
+has them, the package network's weights copied in: the package's twin routing (``convert_dual_bn``,
+``use_twin_bn``) never runs on the reference side. The steps run at FixMatch's temperature 1 and at 0.5,
+where the 0.95 mask and the 0.9 second threshold keep other rows than at 1 on these batches (each test
+asserts it), so pseudo-labels computed without the temperature fail them.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,10 +40,16 @@ from torch import nn
 
 from lpa3_lightning import FixMatchClassifier
 from lpa3_lightning.core.augmented import AugmentedBatch
-from lpa3_lightning.core.dual_bn import convert_dual_bn, use_twin_bn
+from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.data import SemiSupervisedDataModule
 from lpa3_lightning.mixins import FixMatchLPA3Mixin, FixMatchSettings
-from tests.methods.reference_helpers import assert_same_buffers, assert_same_gradients, clone
+from tests.methods.reference_helpers import (
+    AuthorsTwinNet,
+    assert_same_buffers,
+    assert_same_gradients,
+    authors_name,
+    clone,
+)
 
 NUM_CLASSES = 4
 MU = 3
@@ -43,6 +57,9 @@ MU = 3
 #: weight gradients) sum in another order, up to 1.6e-5 apart on these gradients (the defect this
 #: file guards against moved the losses by 0.4 and every gradient entry)
 ORDER = {"rtol": 1e-4, "atol": 1e-4}
+#: FixMatch's temperature (kekmodel's ``--T`` and the authors' ``args.T``, default 1) and another, at which
+#: the thresholds keep other rows on these batches
+TEMPERATURES = pytest.mark.parametrize("temperature", [1.0, 0.5], ids=["T1", "T0.5"])
 
 
 def _net() -> nn.Module:
@@ -117,13 +134,19 @@ def reference_fixmatch_step(net: nn.Module, batch: dict[str, Any], threshold: fl
             "max_probs": max_probs, "logits_u_w": logits_u_w.detach()}
 
 
+def _top_probability(weak_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    return torch.softmax(weak_logits / temperature, dim=-1).max(dim=-1).values
+
+
+@TEMPERATURES
 @pytest.mark.parametrize("with_request", [False, True], ids=["plain", "after_the_callbacks_request"])
-def test_the_fixmatch_step_is_the_reference_step(with_request):
-    """Same losses, mask, gradients and BatchNorm running statistics as kekmodel's step; the request the
-    callback makes first (its pseudo-labels) leaves the running statistics alone and gives the very
-    pseudo-labels the loss trains."""
-    module = StepModule(FixMatchSettings(), epoch=10)  # after the LP-A3 term's warm-up
-    reference_net = copy.deepcopy(module.net)
+def test_the_fixmatch_step_is_the_reference_step(with_request, temperature):
+    """Same losses, mask, gradients and BatchNorm running statistics as kekmodel's step (at its temperature
+    ``T``: the reference's ``softmax(logits_u_w / T)``, train.py L368); the request the callback makes first
+    (its pseudo-labels) leaves the running statistics alone and gives the very pseudo-labels the loss
+    trains, and marks the rows above the second threshold at that temperature."""
+    module = StepModule(FixMatchSettings(temperature=temperature), epoch=10)  # after the LP-A3 term's warm-up
+    reference_net = AuthorsTwinNet(module.net)
     batch = _batch()
     module.train()
     if with_request:
@@ -132,15 +155,20 @@ def test_the_fixmatch_step_is_the_reference_step(with_request):
         assert_same_buffers(module.net, before)  # the request's forward moved no running statistic
     loss, parts = module.fixmatch_loss(batch)
     loss.backward()
-    reference = reference_fixmatch_step(reference_net, batch)
+    reference = reference_fixmatch_step(reference_net, batch, temperature=temperature)
     reference["loss"].backward()
     assert 0 < float(reference["mask"].mean()) < 1  # some pseudo-labels on each side of 0.95
+    if temperature != 1.0:  # the temperature changes which rows pass 0.95 and 0.9 on this batch
+        at_1 = _top_probability(reference["logits_u_w"])
+        assert not torch.equal(reference["mask"].bool(), at_1 >= 0.95), reference["max_probs"].tolist()
+        assert not torch.equal(reference["max_probs"] >= 0.9, at_1 >= 0.9), reference["max_probs"].tolist()
     torch.testing.assert_close(loss.detach(), reference["loss"].detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(parts["loss_labeled"], reference["lx"].detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(parts["loss_unlabeled"], reference["lu"].detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(parts["mask_rate"], reference["mask"].mean())
-    assert_same_gradients(module.net, reference_net, **ORDER)
-    assert_same_buffers(module.net, reference_net, **ORDER)  # the running statistics moved once, as theirs
+    assert_same_gradients(module.net, reference_net, authors_name, **ORDER)
+    # the running statistics moved once, as theirs (the twins' not at all)
+    assert_same_buffers(module.net, reference_net, authors_name, **ORDER)
     if with_request:
         assert torch.equal(request.targets, reference["targets_u"])  # the label preserved is the label trained
         trained = request.train_mask
@@ -150,7 +178,7 @@ def test_the_fixmatch_step_is_the_reference_step(with_request):
 
 def test_the_tcs_memory_is_fed_the_weak_predictions_of_the_training_forward():
     module = StepModule(FixMatchSettings(), epoch=0)
-    reference_net = copy.deepcopy(module.net)
+    reference_net = AuthorsTwinNet(module.net)
     batch = _batch()
     module.train()
     module.fixmatch_loss(batch)
@@ -162,21 +190,29 @@ def test_the_tcs_memory_is_fed_the_weak_predictions_of_the_training_forward():
 
 def reference_lpa3_term(net: nn.Module, x_adv: torch.Tensor, selected: torch.Tensor, targets_u: torch.Tensor,
                         max_probs: torch.Tensor, threshold_lpa3: float = 0.9) -> torch.Tensor:
-    """CausalLearning/LPA3 FixMatch/fixmatch_LPA3.py:454-461, transcribed: x' through the twins in
-    train mode on the x' batch's own statistics, the joint forward's pseudo-labels, the second
-    threshold, the mean over the selected rows."""
+    """CausalLearning/LPA3 FixMatch/fixmatch_LPA3.py (7059ca3) L468, L473 and L477, transcribed: the second
+    threshold on the joint forward's ``max_probs`` of the selected rows (L468); x' through the network's
+    ``_adv`` BatchNorms in train mode, on the x' batch's own statistics (L473, ``model(inputs_adv,
+    adv=True)``: ``net`` is an :class:`~tests.methods.reference_helpers.AuthorsTwinNet`, whose twins are
+    its own); the mean over the selected rows of the cross-entropy against the joint forward's
+    pseudo-labels, masked (L477)."""
     mask_lpa3 = max_probs[selected].ge(threshold_lpa3).float()
-    with use_twin_bn(net):
-        logits_adv = net(x_adv)
+    logits_adv = net(x_adv, adv=True)
     return (F.cross_entropy(logits_adv, targets_u[selected], reduction="none") * mask_lpa3).mean()
 
 
-def test_the_lpa3_term_in_the_authors_forward_is_the_authors_term():
-    """With train_forward="batch_stats" the whole loss is fixmatch_LPA3.py's ``l_ce + l_cs + l_adv``:
-    same value, same gradients, same running statistics of the main and the twin BatchNorms."""
+@TEMPERATURES
+def test_the_lpa3_term_in_the_authors_forward_is_the_authors_term(temperature):
+    """With train_forward="batch_stats" the whole loss is fixmatch_LPA3.py's ``l_ce + l_cs + l_adv``
+    (L479-482): same value, same gradients, same running statistics of the main and the twin BatchNorms,
+    against a reference network whose twin BatchNorms are its own (the x' moving the package's main
+    statistics, or its twins receiving no gradient, fail it); at temperature ``T`` the second threshold
+    is on ``softmax(logits_u_w / T)`` (L465, L468)."""
     module = StepModule(FixMatchSettings(train_forward="batch_stats", lpa3_loss_warmup_epochs=0,
-                                         solve_trained_only=False))
-    reference_net = copy.deepcopy(module.net)
+                                         solve_trained_only=False, temperature=temperature))
+    reference_net = AuthorsTwinNet(module.net)
+    start = {name: int(getattr(reference_net, name).num_batches_tracked)
+             for name in ("bn1", "bn2", "bn1_adv", "bn2_adv")}
     batch = _batch()
     module.train()
     request = module.lpa3_request(batch)
@@ -188,15 +224,24 @@ def test_the_lpa3_term_in_the_authors_forward_is_the_authors_term():
                                              indices=request.indices[selected], mask=selected, bn_mode="twin"))
     loss, parts = module.fixmatch_loss(batch)
     loss.backward()
-    reference = reference_fixmatch_step(reference_net, batch)
+    reference = reference_fixmatch_step(reference_net, batch, temperature=temperature)
     l_adv = reference_lpa3_term(reference_net, x_adv, selected, reference["targets_u"], reference["max_probs"])
     (reference["loss"] + l_adv).backward()
     kept = reference["max_probs"][selected] >= 0.9
     assert 0 < int(kept.sum()) < int(selected.sum())  # the second threshold drops some selected rows
+    if temperature != 1.0:  # and at this temperature it keeps other rows than at 1
+        assert not torch.equal(kept, _top_probability(reference["logits_u_w"])[selected] >= 0.9)
     torch.testing.assert_close(parts["loss_lpa3"], l_adv.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss.detach(), (reference["loss"] + l_adv).detach(), atol=1e-5, rtol=1e-5)
-    assert_same_gradients(module.net, reference_net, **ORDER)
-    assert_same_buffers(module.net, reference_net, **ORDER)
+    assert_same_gradients(module.net, reference_net, authors_name, **ORDER)
+    assert_same_buffers(module.net, reference_net, authors_name, **ORDER)
+    # on the reference side the x' went through the twins alone: theirs have a gradient and moved their
+    # statistics once, the main ones moved once (the joint forward), so the comparisons above see a
+    # package that routes the x' elsewhere
+    assert all(float(bn.weight.grad.abs().sum()) > 0 for bn in (reference_net.bn1_adv, reference_net.bn2_adv))
+    assert [int(bn.num_batches_tracked - start[name]) for name, bn in
+            (("bn1", reference_net.bn1), ("bn2", reference_net.bn2), ("bn1_adv", reference_net.bn1_adv),
+             ("bn2_adv", reference_net.bn2_adv))] == [1, 1, 1, 1]
 
 
 # ------------------------------------------------------------------ behaviour on learnable data

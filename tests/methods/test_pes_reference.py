@@ -32,10 +32,12 @@ from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import PESLPA3Mixin, PESSettings
 from tests.methods.reference_helpers import (
     NUM_CLASSES,
+    AuthorsTwinNet,
     Draws,
     assert_close,
     assert_same_buffers,
     assert_same_gradients,
+    authors_name,
     bn_buffers,
     clone,
     small_net,
@@ -143,54 +145,9 @@ def reference_ramp(current: float, warm_up: int, lambda_u: float, rampup_length:
     return lambda_u * float(min(max((current - warm_up) / rampup_length, 0.0), 1.0))
 
 
-class AuthorsTwinNet(nn.Module):
-    """The test network in the form of the authors' ``PreActResNet18(bn_adv_flag=True, bn_adv_momentum=0.01)``
-    (LPA3 ``PES/networks/ResNet.py`` L47-80): every BatchNorm has an ``_adv`` copy (momentum 0.01) that
-    ``forward(x, adv=True)`` uses instead. Built from a package network with twins: the same weights and
-    buffers, the main BatchNorm's and its twin's."""
-
-    def __init__(self, net: nn.Sequential) -> None:
-        super().__init__()
-        self.conv1, self.conv2, self.fc = clone(net[0]), clone(net[4]), clone(net[8])
-        self.bn1, self.bn2 = self._plain(net[1]), self._plain(net[5])
-        self.bn1_adv, self.bn2_adv = self._plain(net[1].twin), self._plain(net[5].twin)
-
-    @staticmethod
-    def _plain(bn: nn.BatchNorm2d) -> nn.BatchNorm2d:
-        plain = nn.BatchNorm2d(bn.num_features, eps=bn.eps, momentum=bn.momentum)
-        plain.load_state_dict({k: v for k, v in bn.state_dict().items() if not k.startswith("twin.")})
-        return plain
-
-    def forward(self, x: Tensor, adv: bool = False) -> Tensor:
-        bn1, bn2 = (self.bn1_adv, self.bn2_adv) if adv else (self.bn1, self.bn2)
-        h = F.max_pool2d(F.relu(bn1(self.conv1(x))), 2)
-        h = F.relu(bn2(self.conv2(h)))
-        return self.fc(h.flatten(1))
-
-    def forward_reference_rows(self, reference: Tensor, x: Tensor) -> Tensor:
-        """The package's documented training forward of ``x'`` (docs/method.md section 7, "forward that
-        trains on x'"; not the authors'): ``cat([reference, x])`` through the ``adv`` BatchNorms, every row
-        normalised with the reference rows' batch mean and (biased) variance, no running statistic moved;
-        the ``x`` rows' logits."""
-
-        def norm(bn: nn.BatchNorm2d, h: Tensor) -> Tensor:
-            ref = h[: reference.shape[0]]
-            mean = ref.mean((0, 2, 3), keepdim=True)
-            var = ref.var((0, 2, 3), unbiased=False, keepdim=True)
-            return (h - mean) / torch.sqrt(var + bn.eps) * bn.weight.view(1, -1, 1, 1) + bn.bias.view(1, -1, 1, 1)
-
-        h = torch.cat([reference, x])
-        h = F.max_pool2d(F.relu(norm(self.bn1_adv, self.conv1(h))), 2)
-        h = F.relu(norm(self.bn2_adv, self.conv2(h)))
-        return self.fc(h.flatten(1))[reference.shape[0]:]
-
-
-def _authors_name(name: str) -> str:
-    """A parameter or buffer name of the package's twin network -> the AuthorsTwinNet's."""
-    head, _, rest = name.partition(".")
-    if rest.startswith("twin."):
-        return {"1": "bn1_adv", "5": "bn2_adv"}[head] + "." + rest[len("twin."):]
-    return {"0": "conv1", "1": "bn1", "4": "conv2", "5": "bn2", "8": "fc"}[head] + "." + rest
+#: the names tests/methods/test_dividemix_reference.py imports from this file (the network is in
+#: reference_helpers, shared with the FixMatch transcription)
+_authors_name = authors_name
 
 
 # ---------------------------------------------------------------------------------------- tests
@@ -316,6 +273,45 @@ def test_the_default_guess_forward_is_one_frozen_forward_of_both_views_as_docume
     assert abs(float(loss) - float(loss_reference)) > 1e-4, (float(loss), float(loss_reference))
 
 
+@pytest.mark.parametrize("phase, guess_forward", [("early", None), ("semi", "reference"), ("semi", None)],
+                         ids=["early", "semi_reference_guess_forward", "semi_default_guess_forward"])
+def test_the_tcs_memory_is_fed_the_view_1_logits_of_the_forward_that_made_them(phase, guess_forward):
+    """What the module hands the callback's TCS memory (``lpa3_pop_predictions``; ``pes.py``'s docstring:
+    every row's logits in the first two phases, the unlabeled rows' guessing forward after). In the semi
+    phase: the view-1 logits of the guessing forward, the view the request hands the solver
+    (``lpa3_request``: ``x1[unlabeled]``), so each sample's score is of the image its ``x'`` is solved
+    from. Transcribed: with ``guess_forward="reference"`` the first of the two train-mode forwards
+    (``net(inputs_u)``, PES_semi.py L100), by default the first half of one train-mode forward of
+    ``cat([u1, u2])``; in the early phase the cross-entropy step's train-mode forward of view 1. The
+    authors' PES script keeps no TCS memory (it attacks every unlabeled sample): the view is the
+    package's choice, tested here. The view-2 logits of the same forward differ from the view-1 ones by
+    far more than the tolerance, so a memory fed view 2 fails."""
+    if phase == "early":
+        net = small_net(2)
+        reference = clone(net)
+        module = PESStep(net, early_epochs=3)
+        module.epoch = 1
+        batch = two_view_batch(N, seed=3)
+        rows = torch.ones(N, dtype=torch.bool)
+    else:
+        module, reference, batch, planted = _semi_module(guess_forward)
+        rows = ~planted["labeled"]
+    x1, x2, _, index = batch
+    module.pes_loss(batch, batch_idx=3, batches_per_epoch=8)
+    recorded = module.lpa3_pop_predictions()
+    assert recorded is not None
+    indices, logits, targets = recorded
+    reference.train()
+    with torch.no_grad():
+        if phase == "early" or guess_forward == "reference":
+            view_1, view_2 = reference(x1[rows]), reference(x2[rows])  # one forward each (tools.py L95; L100-101)
+        else:
+            view_1, view_2 = reference(torch.cat([x1[rows], x2[rows]])).chunk(2)
+    assert torch.equal(indices, index[rows]) and targets is None
+    assert_close(logits, view_1, "the logits fed to the TCS memory")
+    assert float((view_2 - view_1).abs().max()) > 0.1, float((view_2 - view_1).abs().max())
+
+
 def _lpa3_step(module: PESStep, batch: list) -> tuple[AugmentedBatch, Tensor]:
     """The request's rows (every unlabeled row, view 1: ``lpa3_confidence=None``) and an ``x'`` for each,
     handed over as the callback would with ``ratio=1`` (the authors attack every unlabeled sample). The
@@ -374,8 +370,8 @@ def test_the_lpa3_term_with_the_authors_forward_is_pes_lpa3s_term(monkeypatch):
     expected.backward()
     assert_close(loss, expected, "loss")
     assert_close(parts["loss_lpa3"], Ladv.detach(), "Ladv")
-    assert_same_gradients(module.net, authors, _authors_name)
-    assert_same_buffers(module.net, authors, _authors_name)
+    assert_same_gradients(module.net, authors, authors_name)
+    assert_same_buffers(module.net, authors, authors_name)
 
 
 def test_the_lpa3_term_by_default_trains_x_prime_in_the_solvers_forward_as_documented(monkeypatch):
@@ -420,8 +416,8 @@ def test_the_lpa3_term_by_default_trains_x_prime_in_the_solvers_forward_as_docum
     expected.backward()
     assert_close(parts["loss_lpa3"], Ladv.detach(), "loss_lpa3")
     assert_close(loss, expected, "loss")
-    assert_same_gradients(module.net, authors, _authors_name)
-    assert_same_buffers(module.net, authors, _authors_name)
+    assert_same_gradients(module.net, authors, authors_name)
+    assert_same_buffers(module.net, authors, authors_name)
     assert all(torch.equal(v, bn_buffers(module.net)[k]) for k, v in twin_before.items())
     preserved = module.lpa3_pop_augmented_logits()  # the no-grad forward of the unmixed x', for the tally
     with torch.no_grad():
