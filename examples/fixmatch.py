@@ -60,8 +60,17 @@ class MyFixMatch(FixMatchLPA3Mixin, pl.LightningModule):  # 1. inherit the mixin
         no_decay = [p for n, p in self.named_parameters() if p.dim() <= 1 or n.endswith(".bias")]
         groups = [{"params": decay, "weight_decay": 5e-4}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=0.9, nesterov=True)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: math.cos(7 * math.pi * k / (16 * total)))
+        # K read at the first step, not here: trainer.estimated_stepping_batches sets the training loader up, and
+        #    read in configure_optimizers it keeps a resumed fit from loading the loader's saved position
+        #    (Lightning issue #20550: a mid-epoch resume would train other batches)
+        length: list[int] = []
+
+        def cosine(k: int) -> float:
+            if k and not length:
+                length.append(max(1, int(self.trainer.estimated_stepping_batches)))
+            return math.cos(7 * math.pi * k / (16 * length[0])) if k else 1.0
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 

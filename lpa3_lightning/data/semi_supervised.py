@@ -67,7 +67,7 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
     """FixMatch-style loaders: a labeled and an unlabeled stream per training step, plus val/test.
 
     **Training batch** (``train_dataloader`` returns a ``CombinedLoader`` in
-    ``"max_size_cycle"`` mode; the ``training_step`` receives)::
+    ``"min_size"`` mode, its two streams of one length; the ``training_step`` receives)::
 
         {"labeled":   (x, y, idx),                  # x (B, C, H, W) weak view, y (B,) long,
                                                     # idx (B,) long: positions in the training set
@@ -334,8 +334,12 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
                                                                 persistent_workers=self.num_workers > 0, **kwargs)
 
     def train_dataloader(self) -> CombinedLoader:
-        """``CombinedLoader({"labeled": ..., "unlabeled": ...}, mode="max_size_cycle")``, both
-        streams exactly :attr:`num_steps_per_epoch` batches long (see the class docstring)."""
+        """``CombinedLoader({"labeled": ..., "unlabeled": ...}, mode="min_size")``, both streams exactly
+        :attr:`num_steps_per_epoch` batches long (see the class docstring). ``"min_size"``, not
+        ``"max_size_cycle"``: with streams of one length they give the same batches, but at a pass's end
+        ``"max_size_cycle"`` starts the labeled stream again and draws one batch it then drops, whose
+        random views move torch's generator; a run resumed into that epoch's end drew it once more and
+        trained the next epoch on other views."""
         if self.unlabeled_dataset is None or self.labeled_dataset is None:
             raise RuntimeError("The training data is not built yet; call setup('fit') first "
                                "(a Lightning Trainer does this automatically).")
@@ -348,7 +352,7 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
         labeled = self._loader(self.labeled_dataset, self.batch_size, drop_last=True, stateful=True,
                                sampler=RandomStream(len(self.labeled_dataset), steps * self.batch_size,
                                                     replacement=True, seed=self.seed + 1))
-        return CombinedLoader({"labeled": labeled, "unlabeled": unlabeled}, mode="max_size_cycle")
+        return CombinedLoader({"labeled": labeled, "unlabeled": unlabeled}, mode="min_size")
 
     def val_dataloader(self) -> DataLoader:
         """``(x, y, idx)`` batches of the validation split (the test split where the source has none)."""

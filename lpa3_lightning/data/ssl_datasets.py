@@ -212,23 +212,58 @@ class RandomStream(Sampler[int]):
     stream across the processes (``DistributedSamplerWrapper``), which keeps both streams of
     equal length on every rank. Lightning sets the epoch of a loader's sampler each epoch (one
     process); without it each pass counts its own epoch. Its order draws nothing from torch's
-    global generator, so a ``StatefulDataLoader`` resumes it mid-epoch exactly.
+    global generator.
+
+    Resumable mid-epoch (torchdata's ``Stateful``: :meth:`state_dict` holds the indices yielded),
+    and the order is drawn at a pass's first index, not when the pass is made: Lightning makes the
+    training loader's iterator (and torchdata restores its position) before it sets the resumed
+    epoch, and an order drawn then was the wrong epoch's (a resumed FixMatch fit trained epoch 0's
+    batches in epoch 1). Without the state torchdata would fast-forward by drawing the pass anew.
+
+    Example:
+        >>> stream = RandomStream(5, 3, seed=0)
+        >>> stream.set_epoch(2)
+        >>> first = list(stream)
+        >>> stream.load_state_dict({"yielded": 1})
+        >>> list(stream) == first[1:]
+        True
     """
 
     def __init__(self, size: int, num_samples: int, replacement: bool = False, seed: int = 0) -> None:
         self.size, self.num_samples, self.replacement, self.seed = size, num_samples, replacement, seed
         self.epoch, self._epoch_given = 0, False
+        self.yielded, self.next_yielded = 0, None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._epoch_given = epoch, True
 
+    def state_dict(self) -> dict[str, int]:
+        """The indices yielded of the current pass (torchdata saves it with the loader's position)."""
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """The next pass starts after the saved number of indices (the epoch comes from ``set_epoch``)."""
+        yielded = state_dict.get("yielded")
+        if isinstance(yielded, bool) or not isinstance(yielded, int) or not 0 <= yielded <= self.num_samples:
+            raise ValueError(f"A RandomStream state must hold 'yielded' in 0..{self.num_samples}, got {state_dict!r}. "
+                             "Fix: resume with the data module (batch_size, mu, steps_per_epoch) that wrote it.")
+        self.next_yielded = yielded
+
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        # the restored position belongs to the pass made now (torchdata makes it at once on restore)
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        return self._pass(start)
+
+    def _pass(self, start: int) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))  # drawn at the first index
         if not self._epoch_given:
             self.epoch += 1
         inner = RandomSampler(range(self.size), replacement=self.replacement, num_samples=self.num_samples,
                               generator=generator)
-        return iter(list(inner))
+        for index in list(inner)[start:]:
+            self.yielded += 1
+            yield index
 
     def __len__(self) -> int:
         return self.num_samples
