@@ -302,6 +302,7 @@ class LPA3Callback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.augment == "off":
             return
+        _refuse_an_unrestored_loader_position(trainer)
         settings = self.resolve(trainer, pl_module)
         for runner, module in self._each(pl_module):
             num_classes = getattr(module, "lpa3_num_classes", None)
@@ -464,6 +465,31 @@ class LPA3Callback(Callback):
                 "torchdata's StatefulDataLoader): the resume then runs the epoch's end; or resume from a checkpoint "
                 "written at an epoch's end."
             )
+
+
+def _refuse_an_unrestored_loader_position(trainer: pl.Trainer) -> None:
+    """Refuse a resumed fit whose training loader's saved position Lightning left unloaded.
+
+    Lightning loads a stateful loader's position when it sets the loader up for the fit; when
+    something set it up earlier, before the checkpoint's loops were restored (``configure_optimizers``
+    reading ``trainer.estimated_stepping_batches``: Lightning issue #20550), the position stays in the
+    fit loop unapplied and the resumed epoch trains another pass's batches, silently.
+
+    Raises:
+        RuntimeError: naming the cause and the fix.
+    """
+    loop = trainer.fit_loop
+    # (read only; the fit loop clears this list once it has loaded the positions)
+    if loop.restarting and getattr(loop, "_combined_loader_states_to_load", None):
+        raise RuntimeError(
+            "The checkpoint holds the training loader's position, but Lightning did not restore it: the training "
+            "loader was set up before the checkpoint was loaded, typically by `trainer.estimated_stepping_batches` "
+            "read in `configure_optimizers` (Lightning issue #20550), so the resumed epoch would train other batches "
+            "than the uninterrupted run. Fix: read the run's length when the schedule first steps, not in "
+            "configure_optimizers (e.g. a LambdaLR whose function reads trainer.estimated_stepping_batches at its "
+            "first call with k > 0, as FixMatchClassifier does), or resume from a checkpoint written at an epoch's "
+            "end."
+        )
 
 
 def _pass_over(trainer: pl.Trainer) -> bool:

@@ -143,3 +143,41 @@ def test_a_loader_without_state_resumed_from_a_last_batch_checkpoint_ends_the_lp
     assert any("last batch" in str(w.message) and "train_loader" in str(w.message) for w in caught)
     assert resumed.start_threshold == thresholds[0]  # epoch 0's, as epoch 1 of the uninterrupted fit used
     assert [event[1] for event in resumed.events if event[0] == "epoch_end"] == [1, 2]
+
+
+class ReadsTheRunsLength(TinyClassifier):
+    """A schedule sized by ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (OneCycleLR's
+    usual recipe), which sets the training loader up before a checkpoint's loops are restored."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        total = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total),
+            "interval": "step"}}
+
+
+def test_a_loader_position_lightning_did_not_restore_is_a_named_error(tmp_path):
+    """Lightning (issue #20550) never loads the training loader's saved position when configure_optimizers read
+    trainer.estimated_stepping_batches: the resumed epoch would train other batches. The callback refuses to go
+    on, naming the cause and the fix; with the length read later the same resume runs."""
+
+    def fit(module, ckpt_path=None):
+        pl.seed_everything(0)
+        loader = train_loader(indexed_images(N), BATCH, seed=0)
+        trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=EPOCHS, accelerator="cpu", devices=1,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[LPA3Callback(ratio=0.5, steps=1, seed=0),
+                                        ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1,
+                                                        save_top_k=-1, filename="{step}"),
+                                        ModelCheckpoint(dirpath=tmp_path / "epochs", save_on_train_epoch_end=True,
+                                                        save_top_k=-1, filename="{epoch}")])
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(ReadsTheRunsLength())
+    with pytest.raises(RuntimeError, match=r"estimated_stepping_batches.*Lightning issue #20550.*Fix:"):
+        fit(ReadsTheRunsLength(), ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")
+    fit(TinyClassifier(), ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")  # (no early read: it resumes)
+    # an epoch's end holds a finished pass: nothing to lose, the fit goes on
+    assert fit(ReadsTheRunsLength(), ckpt_path=tmp_path / "epochs" / "epoch=0.ckpt").global_step == 3 * EPOCHS
