@@ -355,8 +355,11 @@ class NetworkRunner:
         """The memory (its whole stored predictions, assembled over the processes when split and
         ``assemble``: a collective), the cache, the first augmenting epoch and the solver's settings."""
         if self.tcs is None:
-            tcs_state = None if self.pending_state is None else self.pending_state["tcs"]
-        elif isinstance(self.tcs, ShardedTimeConsistency) and not assemble:
+            # never started (a finished run launched again returns before on_train_start): the checkpoint's
+            # state goes on whole, not only its memory
+            return dict(self.pending_state) if self.pending_state is not None else \
+                {"tcs": None, "cache": None, "augment_start": None, "settings": None}
+        if isinstance(self.tcs, ShardedTimeConsistency) and not assemble:
             tcs_state = self.tcs.local_state_dict()
         else:
             tcs_state = self.tcs.state_dict()

@@ -181,3 +181,39 @@ def test_a_loader_position_lightning_did_not_restore_is_a_named_error(tmp_path):
     fit(TinyClassifier(), ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")  # (no early read: it resumes)
     # an epoch's end holds a finished pass: nothing to lose, the fit goes on
     assert fit(ReadsTheRunsLength(), ckpt_path=tmp_path / "epochs" / "epoch=0.ckpt").global_step == 3 * EPOCHS
+
+
+def test_a_finished_run_launched_again_keeps_the_callbacks_whole_state(tmp_path):
+    """fit(ckpt_path=last.ckpt) of a finished run returns at once (Lightning runs no on_train_start): a checkpoint
+    written then holds the LP-A3 state of last.ckpt, all of it, and one more epoch from either file is the same."""
+
+    def fit(max_epochs, ckpt_path=None, save=None):
+        pl.seed_everything(0)
+        callback = LPA3Callback(ratio=0.5, steps=1, seed=0, cache={"regenerate_every_n_epochs": 2,
+                                                                    "in_checkpoint": True})
+        trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=max_epochs, accelerator="cpu", devices=1,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             # (no GlobalRandomState: a relaunch that returns at once saves the generator's
+                             # state of the moment; both continuations start from seed_everything's)
+                             callbacks=[callback, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        module = TinyClassifier()
+        trainer.fit(module, train_loader(indexed_images(N), BATCH, seed=0), ckpt_path=ckpt_path)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+    fit(EPOCHS)
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    fit(EPOCHS, ckpt_path=tmp_path / "ckpt" / "last.ckpt", save=tmp_path / "again.ckpt")  # returns at once
+    again = torch.load(tmp_path / "again.ckpt", weights_only=False)
+    (key,) = [k for k in last["callbacks"] if k.startswith("LPA3Callback")]
+    before, after = last["callbacks"][key]["networks"][""], again["callbacks"][key]["networks"][""]
+    assert set(after) == set(before) and after["settings"] == before["settings"] is not None
+    assert after["augment_start"] == before["augment_start"] is not None
+    assert torch.equal(after["cache"]["storage"], before["cache"]["storage"])
+    for name, value in before["tcs"].items():
+        assert torch.equal(value, after["tcs"][name]) if isinstance(value, torch.Tensor) else value == after["tcs"][name]
+    one_more = fit(EPOCHS + 1, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    from_again = fit(EPOCHS + 1, ckpt_path=tmp_path / "again.ckpt")
+    for name, value in one_more.items():
+        assert torch.equal(value, from_again[name]), name
