@@ -34,7 +34,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        target = Path(path)
+        target = Path(path).expanduser()  # "~/ckpts/x.ckpt" under $HOME, as Lightning's own save and load read it
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.partial")  # one name: an interrupted write's is overwritten
         try:
