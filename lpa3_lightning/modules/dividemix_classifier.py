@@ -22,7 +22,7 @@ from lpa3_lightning.methods.noisy_training import (
     whole_training_set_loader,
 )
 from lpa3_lightning.methods.settings import DivideMixSettings, settings_from, settings_hparams
-from lpa3_lightning.modules.classifier import check_datamodule_agrees
+from lpa3_lightning.modules.classifier import check_datamodule_agrees, ready_hparams, save_ready_hparams
 from lpa3_lightning.modules.fixmatch_classifier import build_ssl_backbone
 
 __all__ = ["DivideMixClassifier"]
@@ -102,10 +102,13 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
         if prior is not None and len(prior) != num_classes:
             raise ValueError(f"`dividemix.class_prior` holds {len(prior)} class frequencies for num_classes="
                              f"{num_classes}. Fix: one frequency per class, or None (uniform).")
-        self.save_hyperparameters()
         # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
-        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
-        self.save_hyperparameters({"dividemix": settings_hparams(self.lpa3_settings)})
+        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it); a subclass that
+        # LightningCLI builds saves its own arguments, and the recipe reads these (ready_hparams)
+        save_ready_hparams(self, {"arch": arch, "in_channels": in_channels, "num_classes": num_classes,
+                                  "num_samples": num_samples, "lr": lr, "momentum": momentum,
+                                  "weight_decay": weight_decay, "lr_drop_epoch": lr_drop_epoch, "twin_bn": twin_bn},
+                           ("dividemix", settings_hparams(self.lpa3_settings)))
         self.net1 = build_ssl_backbone(arch, in_channels, num_classes)
         self.net2 = build_ssl_backbone(arch, in_channels, num_classes)
         if twin_bn:
@@ -130,7 +133,7 @@ class DivideMixClassifier(DivideMixLPA3Mixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = ready_hparams(self)
         sgd = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 300
         drop = max_epochs // 2 if hp.lr_drop_epoch is None else hp.lr_drop_epoch

@@ -21,7 +21,14 @@ from lpa3_lightning.methods.noisy_training import (
 )
 from lpa3_lightning.methods.pes import PESLPA3Mixin
 from lpa3_lightning.methods.settings import PESSettings, settings_from, settings_hparams
-from lpa3_lightning.modules.classifier import check_datamodule_agrees
+from lpa3_lightning.modules.classifier import (
+    check_datamodule_agrees,
+    check_network_record,
+    ready_hparams,
+    resolve_network,
+    save_network_record,
+    save_ready_hparams,
+)
 from lpa3_lightning.modules.fixmatch_classifier import build_ssl_backbone
 
 __all__ = ["PESClassifier"]
@@ -68,7 +75,8 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
             YAML config, ``pes:`` with the fields under it.
         freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
-        model: use this network instead of building ``arch``.
+        model: use this network instead of building ``arch``, or its class-path config (kept in the
+            checkpoint, as :class:`~lpa3_lightning.LPA3Classifier`'s ``model``).
 
     Example:
         >>> module = PESClassifier(num_classes=10, num_samples=4000)
@@ -101,12 +109,15 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
             if not value > 0:
                 raise ValueError(f"`{name}` must be > 0, got {value!r}. Fix: use lr=0.02 and refine_lr=1e-4 (PES).")
         self.lpa3_settings = settings_from(PESSettings, pes, "pes")
-        self.save_hyperparameters(ignore=["model"])
+        net, given = resolve_network(model, lambda: build_ssl_backbone(arch, in_channels, num_classes))
         # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
         # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
-        self.save_hyperparameters({"pes": settings_hparams(self.lpa3_settings)})
+        save_ready_hparams(self, {"arch": arch, "in_channels": in_channels, "num_classes": num_classes,
+                                  "num_samples": num_samples, "lr": lr, "momentum": momentum,
+                                  "weight_decay": weight_decay, "refine_lr": refine_lr,
+                                  "freeze_head_in_semi": freeze_head_in_semi, "twin_bn": twin_bn, "model": model},
+                           ("pes", settings_hparams(self.lpa3_settings)), given)
         self.automatic_optimization = False
-        net = model if model is not None else build_ssl_backbone(arch, in_channels, num_classes)
         self.model = convert_dual_bn(net) if twin_bn else net
         self.lpa3_num_classes = num_classes
         self.lpa3_num_samples = num_samples
@@ -125,7 +136,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = ready_hparams(self)
         sgd = torch.optim.SGD(self.model.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         adam = torch.optim.Adam(self.pes_head().parameters(), lr=hp.refine_lr)
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 300
@@ -176,7 +187,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         sgd.zero_grad()
         adam.zero_grad()
         self.manual_backward(loss)
-        if phase == "semi" and self.hparams.freeze_head_in_semi:
+        if phase == "semi" and ready_hparams(self).freeze_head_in_semi:
             for p in self.pes_head().parameters():
                 p.grad = None
         optimizer.step()
@@ -208,7 +219,9 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["pes_split"] = self.pes_state_dict()
+        save_network_record(self, checkpoint, self.model)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_network_record(self, checkpoint, self.model)
         if "pes_split" in checkpoint:
             self.pes_load_state_dict(checkpoint["pes_split"])
