@@ -167,7 +167,19 @@ def log_grid(trainer: pl.Trainer, module: Any, augmenter: Augmenter, prefix: str
     """The grid of the first training images, their ``x'`` and ``|x' - x|``, made on every rank
     (its request may forward the module in train mode, a collective under SyncBatchNorm) and
     logged by rank 0; returned (None when nothing could be drawn). ``warned``: a one-item list,
-    set once the cannot-log warning was given."""
+    set once the cannot-log warning was given.
+
+    Drawn only at the end of an epoch that trained ``x'`` (not in the callback's ``warmup_epochs``
+    nor where the module's ``lpa3_consumes_augmented`` says no): before, no training step made
+    them, and a module's request may not even name the label it will preserve. The difference row
+    has one scale for all images, its white value written under the grid with the epoch; each
+    column carries its image's perceptual distance (``d``)."""
+    from lpa3_lightning.core.visualize import difference_peak
+
+    epoch = trainer.current_epoch
+    consumes = getattr(module, "lpa3_consumes_augmented", None)
+    if epoch < augmenter.settings.warmup_epochs or (callable(consumes) and not consumes(epoch)):
+        return None  # (the same answer on every rank: the ranks agree on it every step)
     dataset = getattr(trainer.train_dataloader, "dataset", None)
     logger = trainer.logger
     # decided by the logger's class, the same on every rank (a non-zero rank's `experiment` is
@@ -192,15 +204,24 @@ def log_grid(trainer: pl.Trainer, module: Any, augmenter: Augmenter, prefix: str
         model, bn_mode = augmenter.attack_model(module, request.inputs)
         if request.inputs.shape[0] < 2:
             bn_mode = "eval"  # (batch statistics need two images)
-        x_adv, _ = augmenter.solve(module, model, request.inputs, request.targets,
-                                   torch.Generator(device=request.inputs.device).manual_seed(0), bn_mode,
-                                   graphs=False)  # a one-off solve: a graph would hold memory for the fit
+        x_adv, stats = augmenter.solve(module, model, request.inputs, request.targets,
+                                       torch.Generator(device=request.inputs.device).manual_seed(0), bn_mode,
+                                       graphs=False)  # a one-off solve: a graph would hold memory for the fit
     input_range = augmenter.settings.input_range
     normalization = input_range if isinstance(input_range, Mapping) else None
-    grid = comparison_grid(request.inputs, x_adv, normalization)
+    peak = difference_peak(request.inputs, x_adv, normalization)
+    distances = [float(d) for d in stats.perceptual_distance.detach().cpu()] if stats is not None else []
+    labels = [f"d {d:.2f}" for d in distances] if len(distances) == request.inputs.shape[0] else None
+    control = getattr(augmenter.settings, "augment", "lpa3")
+    caption = (f"epoch {epoch}: x, x', |x'-x| on one scale: white = {peak:.3g} (pixels in [0, 1]); "
+               f"d: perceptual distance" + (f"; the solver's x', this run trains augment={control!r}"
+                                            if control != "lpa3" else ""))
+    grid = comparison_grid(request.inputs, x_adv, normalization, peak=peak if peak > 0 else None, labels=labels,
+                           caption=caption)
     if trainer.is_global_zero:
         if hasattr(logger, "log_image"):
             logger.log_image(key=f"{prefix}examples", images=[grid], step=trainer.global_step)
         else:
-            logger.experiment.add_image(f"{prefix}examples (rows: x, x', |x'-x| stretched)", grid, trainer.global_step)
+            logger.experiment.add_image(f"{prefix}examples (rows: x, x', |x'-x| on one scale, its white written "
+                                        "under them)", grid, trainer.global_step)
     return grid
