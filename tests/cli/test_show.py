@@ -50,19 +50,44 @@ def test_saved_png_has_the_grid_size(tmp_path):
         assert image.size == (5 * 30 + 2, 3 * 30 + 2)
 
 
-def test_callback_logs_the_grid_to_tensorboard(tmp_path):
+def _logged_grids(tmp_path, monkeypatch, warmup_epochs: int) -> tuple[LPA3Callback, list, list[dict]]:
+    """A two-epoch fit logging the grid every epoch: the callback, the TensorBoard images (their tag's
+    events) and the arguments each grid was drawn with."""
+    import lpa3_lightning.callback.logging_stage as logging_stage
+
+    drawn: list[dict] = []
+    draw = logging_stage.comparison_grid
+
+    def recording(*args, **kwargs):
+        drawn.append(kwargs)
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(logging_stage, "comparison_grid", recording)
     pl.seed_everything(0)
-    callback = LPA3Callback(steps=1, logging={"images_every_n_epochs": 1, "num_images": 4})
+    callback = LPA3Callback(steps=1, warmup_epochs=warmup_epochs, logging={"images_every_n_epochs": 1, "num_images": 4})
     logger = pl.loggers.TensorBoardLogger(tmp_path, name="")
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", callbacks=[callback], logger=logger,
                          enable_progress_bar=False, enable_checkpointing=False)
     trainer.fit(TinyClassifier(), DataLoader(indexed_images(16), batch_size=8))
-    assert callback.runner().last_grid is not None and tuple(callback.runner().last_grid.shape) == (3, 92, 122)
     events = EventAccumulator(str(tmp_path / "version_0"), size_guidance={"images": 0})
     events.Reload()
-    tags = events.Tags()["images"]
-    assert any(tag.startswith("lpa3/examples") for tag in tags)
-    assert len(events.Images(tags[0])) == 2  # once per epoch
+    tags = [tag for tag in events.Tags()["images"] if tag.startswith("lpa3/examples")]
+    return callback, [image for tag in tags for image in events.Images(tag)], drawn
+
+
+def test_callback_logs_the_grid_to_tensorboard_with_its_scale_and_distances(tmp_path, monkeypatch):
+    callback, images, drawn = _logged_grids(tmp_path, monkeypatch, warmup_epochs=0)
+    grid = callback.runner().last_grid
+    assert grid is not None and grid.shape[2] == 122 and grid.shape[1] > 92  # the rows, then the text under them
+    assert len(images) == 2  # once per epoch
+    assert all(len(kwargs["labels"]) == 4 and "white = " in kwargs["caption"] for kwargs in drawn)
+
+
+def test_the_grid_is_not_logged_before_the_first_epoch_that_trains_x_prime(tmp_path, monkeypatch):
+    """In the warm-up no x' was trained: a grid there showed a solve no training step made."""
+    _, images, drawn = _logged_grids(tmp_path, monkeypatch, warmup_epochs=1)
+    assert len(images) == 1 and images[0].step == 4  # the end of epoch 1 (two steps an epoch)
+    assert "epoch 1" in drawn[0]["caption"]
 
 
 @pytest.mark.parametrize("twin_bn, expected", [(True, "twin"), (False, "batch")])
@@ -104,7 +129,8 @@ def test_show_command_writes_a_png_of_the_right_size(tmp_path, capsys, callback_
     trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
     ckpt = tmp_path / "m.ckpt"
     trainer.save_checkpoint(ckpt)
-    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "6"])
+    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "6", "--scale", "1",
+          "--no-labels"])
     out = capsys.readouterr().out
     # the training callback's settings, read from the checkpoint (not the command's own defaults)
     assert "bn mode twin, sigma 0.05, 2 steps, max step 0.7 (settings from the checkpoint's LPA3Callback)" in out
@@ -143,7 +169,8 @@ def test_show_command_draws_the_other_ready_modules_checkpoints(tmp_path, capsys
     trainer.fit(module, datamodule=data)
     ckpt = tmp_path / f"{family}.ckpt"
     trainer.save_checkpoint(ckpt)
-    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "4"])
+    main(["show", "--ckpt", str(ckpt), "--out", str(tmp_path / "show.png"), "--num", "4", "--scale", "1",
+          "--no-labels"])
     out = capsys.readouterr().out
     assert f"{type(module).__name__}; label preserved: the model prediction" in out
     assert "of mnist5k" in out and "sigma 0.03, 1 steps, max step auto (settings from the checkpoint's" in out
@@ -216,7 +243,7 @@ def test_show_draws_the_checkpoints_own_data_through_its_own_module(tmp_path, ca
     load_from_checkpoint's traceback)."""
     ckpt = _fit_from_the_command_line(tmp_path, model)
     capsys.readouterr()
-    main(["show", "--ckpt", ckpt, "--out", str(tmp_path / "show.png"), "--num", "4"])
+    main(["show", "--ckpt", ckpt, "--out", str(tmp_path / "show.png"), "--num", "4", "--scale", "1", "--no-labels"])
     out = capsys.readouterr().out
     assert "of Digits" in out and "breastmnist" not in out.lower(), out
     assert out.count("label preserved") == 5  # the header and the four images
@@ -250,7 +277,132 @@ class TwoStreams(pl.LightningDataModule):
 
 
 def test_show_names_the_fix_when_a_splits_loader_has_no_single_dataset():
-    from lpa3_lightning.cli.show import _own_images
+    from lpa3_lightning.cli.show import _own_split
 
     with pytest.raises(SystemExit, match="TwoStreams.train_dataloader.*CombinedLoader.*Fix: pass --split"):
-        _own_images(TwoStreams, {}, "train", 4)
+        _own_split(TwoStreams, {}, "train")
+
+
+class Colours(pl.LightningDataModule):
+    """A user's RGB data module (3x28x28, 3 named classes) with what ``lpa3 show`` reads."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.normalization = {"mean": [0.5] * 3, "std": [0.5] * 3}
+        self.num_classes, self.in_channels, self.class_names = 3, 3, ["red", "green", "blue"]
+
+    def _data(self, seed: int):
+        data = indexed_images(12, seed=seed)
+        return [(x.repeat(3, 1, 1).clamp(-1, 1), y, i) for x, y, i in (data[i] for i in range(len(data)))]
+
+    def train_dataloader(self):
+        return DataLoader(self._data(0), batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self._data(3), batch_size=self.hparams.batch_size)
+
+
+def _fit_resnet18(tmp_path) -> str:
+    """``lpa3 fit`` of LPA3Classifier with ``model: {class_path: torchvision.models.resnet18}``: its checkpoint."""
+    main(["fit", "--model", "lpa3_lightning.LPA3Classifier", "--model.init_args.in_channels=3",
+          "--model.init_args.num_classes=3", "--model.init_args.model", "torchvision.models.resnet18",
+          "--model.init_args.model.init_args.num_classes=3", "--data", "tests.cli.test_show.Colours",
+          "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0",
+          "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          "--trainer.callbacks+=lpa3_lightning.LPA3Callback", "--trainer.callbacks.init_args.steps=1"])
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    return str(ckpt)
+
+
+def test_show_draws_a_network_given_through_model_in_lpa3_fit(tmp_path, capsys):
+    """``model: {class_path: torchvision.models.resnet18}``: the command rebuilt the package's ResNet and
+    stopped at a size mismatch ("It may be a checkpoint of another module")."""
+    ckpt = _fit_resnet18(tmp_path)
+    capsys.readouterr()
+    main(["show", "--ckpt", ckpt, "--out", str(tmp_path / "show.png"), "--num", "3"])
+    out = capsys.readouterr().out
+    assert "of Colours" in out and out.count("label preserved") == 4
+    assert "(class red)" in out or "(class green)" in out or "(class blue)" in out  # the data module's names
+
+
+def test_show_rebuilds_an_older_checkpoints_network_from_the_runs_config_yaml(tmp_path, capsys):
+    """A checkpoint written before the network was kept in it: the run's config.yaml (LightningCLI's) names it."""
+    from lpa3_lightning.modules.classifier import NETWORK_RECORD
+
+    ckpt = _fit_resnet18(tmp_path)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    del checkpoint["hyper_parameters"]["model"], checkpoint[NETWORK_RECORD]
+    older = tmp_path / "checkpoints" / "older.ckpt"
+    torch.save(checkpoint, older)
+    assert (older.parent.parent / "config.yaml").is_file()
+    capsys.readouterr()
+    main(["show", "--ckpt", str(older), "--out", str(tmp_path / "show.png"), "--num", "2"])
+    out = capsys.readouterr().out
+    assert f"network: torchvision.models.resnet18 from {older.parent.parent / 'config.yaml'}" in out
+
+
+def test_show_names_the_fix_for_a_network_given_as_an_object(tmp_path, capsys):
+    from tests.modules.test_saved_network import Net
+
+    pl.seed_everything(0)
+    module = LPA3Classifier(num_classes=2, in_channels=1, model=Net(1, 2, 4))
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", logger=False,
+                         callbacks=[LPA3Callback(steps=1)], enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    with pytest.raises(SystemExit):
+        main(["show", "--ckpt", str(tmp_path / "m.ckpt"), "--out", str(tmp_path / "show.png")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "test_saved_network.Net, was given to LPA3Classifier as an object" in err
+    assert "Fix for lpa3 show: train with `model` given as a class-path config" in err
+
+
+@pytest.fixture(scope="module")
+def breastmnist_ckpt(tmp_path_factory):
+    pl.seed_everything(0)
+    tmp_path = tmp_path_factory.mktemp("breast")
+    module = LPA3Classifier(num_classes=2, in_channels=1)
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", logger=False,
+                         callbacks=[LPA3Callback(steps=1)], enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, datamodule=MedMNISTDataModule("breastmnist", batch_size=8))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    return str(tmp_path / "m.ckpt")
+
+
+def _shown(capsys, ckpt: str, out, *flags: str) -> tuple[list[str], str]:
+    capsys.readouterr()
+    main(["show", "--ckpt", ckpt, "--out", str(out), "--steps", "1", *flags])
+    text = capsys.readouterr().out
+    return [line for line in text.splitlines() if line.startswith("  image ")], text
+
+
+def test_show_picks_the_images_by_index_at_random_or_one_per_class(tmp_path, capsys, breastmnist_ckpt):
+    """It always drew the first eight test images (an image folder sorted by class gives eight of one class)."""
+    lines, _ = _shown(capsys, breastmnist_ckpt, tmp_path / "a.png", "--indices", "3", "17", "42")
+    assert [line.split("(index ")[1].split(")")[0] for line in lines] == ["3", "17", "42"]
+    lines, _ = _shown(capsys, breastmnist_ckpt, tmp_path / "b.png", "--images", "per-class")
+    assert len(lines) == 2 and "label 0 (class malignant)" in lines[0] and "label 1 (class normal, benign)" in lines[1]
+    first, _ = _shown(capsys, breastmnist_ckpt, tmp_path / "c.png", "--num", "4")
+    drawn, _ = _shown(capsys, breastmnist_ckpt, tmp_path / "d.png", "--num", "4", "--images", "random",
+                      "--sample-seed", "1")
+    again, _ = _shown(capsys, breastmnist_ckpt, tmp_path / "e.png", "--num", "4", "--images", "random",
+                      "--sample-seed", "1")
+    assert drawn == again and drawn != first
+    with pytest.raises(SystemExit):
+        main(["show", "--ckpt", breastmnist_ckpt, "--indices", "156"])
+    assert "--indices 156" in capsys.readouterr().err
+
+
+def test_show_scales_the_picture_and_writes_the_distances_and_the_difference_scale(tmp_path, capsys,
+                                                                                   breastmnist_ckpt):
+    """242 x 92 px with no scale option, no distances in the picture, each difference stretched on its own."""
+    _, text = _shown(capsys, breastmnist_ckpt, tmp_path / "plain.png", "--num", "2", "--scale", "3", "--no-labels")
+    with Image.open(tmp_path / "plain.png") as image:
+        assert image.size == (3 * (2 * 30 + 2), 3 * 92)
+    assert "|x' - x| on one scale for all images, white = " in text
+    _, text = _shown(capsys, breastmnist_ckpt, tmp_path / "auto.png", "--num", "2")
+    with Image.open(tmp_path / "auto.png") as image:  # auto: 28 px images drawn 4x, the text under them
+        assert image.size[0] == 4 * (2 * 30 + 2) and image.size[1] > 4 * 92
+    assert "perceptual distance" in text and "||x' - x||" in text
