@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.cli import LightningCLI
 
 from lpa3_lightning.cli.parser import LPA3ArgumentParser
@@ -40,7 +41,10 @@ class LPA3CLI(LightningCLI):
             print("\n=== LP-A3 run finished ===")
             for key, value in sorted((results[0] if results else {}).items()):
                 print(f"{key}: {value:.4f}")
-            print(f"tested checkpoint: {best or '(final weights)'}")
+            averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, WeightAveraging)]
+            weights = f"the {averaging[0]} average" if averaging else "the trained weights"
+            print(f"tested checkpoint: {best or '(final weights)'} ({weights}: the checkpoint's state_dict, which "
+                  f"`lpa3 test --ckpt_path` tests too)" if best else f"tested: the final weights ({weights})")
             print(f"logs and checkpoints: {log_dir}")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = ["FixMatchEMA"]
 
@@ -19,8 +20,10 @@ class FixMatchEMA(EMAWeightAveraging):
 
     Lightning's ``EMAWeightAveraging`` averages the buffers too by default (``use_buffers=True``);
     with ``use_buffers=False`` it leaves them as they were when the average was created. Pass
-    ``copy_buffers=False`` here for Lightning's averaging. Evaluation (validation, test, the
-    final weights) uses the average, as with ``EMAWeightAveraging``.
+    ``copy_buffers=False`` here for Lightning's averaging. Validation, the final weights of a fit and
+    the checkpoint's ``state_dict`` are the average (the raw weights are its ``current_model_state``),
+    and a test of a checkpoint tests the average, in the process that trained it as in a new one
+    (``lpa3 fit --test_after_fit`` and ``lpa3 test`` print the same accuracy).
 
     Args:
         decay: the average's decay per update (FixMatch: 0.999).
@@ -50,6 +53,15 @@ class FixMatchEMA(EMAWeightAveraging):
             # AveragedModel would copy the weights of the first step instead (a resume restores the
             # checkpoint's count over this)
             self._average_model.n_averaged.fill_(1)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Resuming a fit: the average and the live weights come back as Lightning's ``WeightAveraging``
+        restores them. Outside a fit (``trainer.test(ckpt_path=...)``, also after a fit in the same process)
+        the module keeps the checkpoint's ``state_dict``, the average: Lightning's would load the raw weights
+        (``current_model_state``) whenever an average exists, so a test after the fit ran on other weights than
+        the same test in a new process."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

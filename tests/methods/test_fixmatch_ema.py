@@ -69,3 +69,38 @@ def test_bad_arguments_are_refused_by_name():
         FixMatchEMA(copy_buffers="yes")
     with pytest.raises(ValueError, match="use_buffers"):
         FixMatchEMA(use_buffers=True)
+
+
+def test_a_test_after_fit_on_a_checkpoint_tests_the_average_as_a_fresh_process_does(tmp_path):
+    """``trainer.test(ckpt_path=...)`` after the fit (``lpa3 fit --test_after_fit``) ran on the checkpoint's raw
+    weights (Lightning's WeightAveraging loads ``current_model_state`` into the module whenever its average
+    exists), while ``lpa3 test`` on the same file in a new process ran on its ``state_dict``, the average: both
+    test the average now, the weights the docs name."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    tested: list[dict[str, torch.Tensor]] = []
+
+    class Weights(pl.Callback):
+        def on_test_start(self, trainer, pl_module):
+            tested.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+    class Tested(TinyClassifier):
+        def test_step(self, batch, batch_idx):
+            return None
+
+    pl.seed_everything(0)
+    module = Tested()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[FixMatchEMA(decay=0.5), checkpoint, Weights()])
+    trainer.fit(module, _loader())
+    trainer.test(module, _loader(shuffle=False), ckpt_path=checkpoint.best_model_path)
+    saved = torch.load(checkpoint.best_model_path, weights_only=False)
+    fresh = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, callbacks=[FixMatchEMA(decay=0.5), Weights()])
+    fresh.test(Tested(), _loader(shuffle=False), ckpt_path=checkpoint.best_model_path)
+    average, raw = saved["state_dict"], saved["current_model_state"]
+    assert any(not torch.equal(average[k], raw[k]) for k in average)  # (the average is not the raw weights)
+    for weights in tested:
+        for name, value in average.items():
+            assert torch.equal(weights[name], value), name
