@@ -1,6 +1,7 @@
-"""Data loading for LP-A3: index-returning datasets, the MedMNIST and semi-supervised data modules,
-synthetic label noise."""
+"""Data loading for LP-A3: index-returning datasets, the image-folder, MedMNIST and semi-supervised data
+modules, synthetic label noise."""
 
+from lpa3_lightning.data.image_folder import ImageFolderDataModule
 from lpa3_lightning.data.indexed import IndexedDataset
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.label_split import load_label_split, save_label_split, stratified_label_split
@@ -21,7 +22,8 @@ from lpa3_lightning.data.train_loader import EpochSampler, train_loader
 __all__ = [
     "ASYMMETRIC_MAPPINGS", "NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset", "load_noisy_labels",
     "noisy_labels", "save_noisy_labels",
-    "Cutout", "EMBEDDED_DATA_DIR", "EpochSampler", "FixMatchRandAugment", "IndexedDataset", "LabeledDataset",
+    "Cutout", "EMBEDDED_DATA_DIR", "EpochSampler", "FixMatchRandAugment", "ImageFolderDataModule", "IndexedDataset",
+    "LabeledDataset",
     "MedMNISTDataModule", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule", "SplitBalancedSampler",
     "UnlabeledDataset", "eval_transform",
     "load_label_split", "load_mnist5k", "save_label_split", "stratified_label_split", "strong_transform",
