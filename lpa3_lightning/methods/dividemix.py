@@ -333,8 +333,9 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             if counts is None:
                 continue
             together = counts if together is None else together + counts
-            report[f"dividemix/{name}/guess_top_class_share"] = warn_on_collapse("DivideMix", counts,
-                                                                                 labeled_counts.get(name), f" ({name})")
+            report[f"dividemix/{name}/guess_top_class_share"] = warn_on_collapse(
+                "DivideMix", counts, labeled_counts.get(name), f" ({name})",
+                history=self.__dict__.setdefault("_collapse_history", {}))
         if together is not None:
             report["dividemix/guess_top_class_share"] = float(together.max() / together.sum())
         return report

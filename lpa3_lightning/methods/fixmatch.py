@@ -195,7 +195,8 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
         counts, labeled_counts = made.take(classes, device), labeled.take(classes, device)
         if counts is None:
             return {}
-        return {"fixmatch/pseudo_label_top_class_share": warn_on_collapse("FixMatch", counts, labeled_counts)}
+        return {"fixmatch/pseudo_label_top_class_share": warn_on_collapse(
+            "FixMatch", counts, labeled_counts, history=self.__dict__.setdefault("_collapse_history", {}))}
 
     def fixmatch_loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """FixMatch's loss plus the LP-A3 term for one training batch.

@@ -9,7 +9,8 @@ FixMatch's weak view forwarded apart from the batch that trains put 224 of 224 c
 in one class, 8.5% of them right. :class:`GuessTally` counts the classes on the device, every step,
 without a host read; the epoch's end reads it once (all-reduced under DDP) and
 :func:`guess_collapse_warning` words the warning when nearly all made labels (more than 90%) are of one
-class while the labeled set holds several.
+class while the labeled set holds several, or when most labeled classes get almost none of them two epochs
+in a row (a partial collapse: every made label in 2 or 3 of 10 classes).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "guess_collapse_warning",
-           "warn_on_collapse"]
+__all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "STARVED_FRACTION",
+           "STARVED_MIN_CLASSES", "guess_collapse_warning", "partially_collapsed", "starved_classes", "warn_on_collapse"]
 
 #: the largest class's share of the epoch's guessed labels above which they are called collapsed.
 #: Not lower: healthy runs cross a half (FixMatch, package defaults, measured: 54% of MNIST-5k's first
@@ -31,6 +32,12 @@ COLLAPSE_SHARE = 0.9
 COLLAPSE_MARGIN = 0.25
 #: fewer guessed labels in an epoch than this say nothing either way
 COLLAPSE_MIN_GUESSES = 20
+#: a partial collapse: a labeled class is starved when it gets under this fraction of its labeled share of the
+#: made labels, and at least half of the labeled classes (STARVED_MIN_CLASSES or more of them) are starved in
+#: two epochs in a row (one such epoch is seen in healthy runs: FixMatch's first epoch on MNIST-5k left 4 of 10
+#: classes without a confident pseudo-label)
+STARVED_FRACTION = 0.2
+STARVED_MIN_CLASSES = 3
 
 
 class GuessTally:
@@ -69,12 +76,38 @@ class GuessTally:
         return host if float(host.sum()) > 0 else None
 
 
+def starved_classes(counts: Tensor, labeled_counts: Tensor) -> list[int]:
+    """The labeled classes that got under :data:`STARVED_FRACTION` of their labeled share of the made
+    labels ``counts`` ``(C,)`` (``labeled_counts`` ``(C,)``: the labeled set's, or batches')."""
+    counts, labeled_counts = counts.double().cpu(), labeled_counts.double().cpu()
+    made, labeled = float(counts.sum()), float(labeled_counts.sum())
+    if made <= 0 or labeled <= 0:
+        return []
+    starved = (labeled_counts > 0) & (counts / made < STARVED_FRACTION * labeled_counts / labeled)
+    return starved.nonzero().flatten().tolist()
+
+
+def partially_collapsed(counts: Tensor, labeled_counts: Tensor | None) -> bool:
+    """Whether at least half of the labeled classes, :data:`STARVED_MIN_CLASSES` or more of them, are
+    starved (:func:`starved_classes`) in an epoch of at least :data:`COLLAPSE_MIN_GUESSES` made labels."""
+    if labeled_counts is None or float(counts.sum()) < COLLAPSE_MIN_GUESSES:
+        return False
+    labeled_classes = int((labeled_counts > 0).sum())
+    return labeled_classes >= STARVED_MIN_CLASSES and 2 * len(starved_classes(counts, labeled_counts)) >= labeled_classes
+
+
 def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor | None,
-                           where: str = "") -> tuple[float, str | None]:
+                           where: str = "", starved_before: bool = False) -> tuple[float, str | None]:
     """The largest class's share of the guessed labels ``counts`` ``(C,)``, and the warning to give
-    (None: none) when that share is above :data:`COLLAPSE_SHARE` and above the class's share of the
-    labeled set ``labeled_counts`` ``(C,)`` by :data:`COLLAPSE_MARGIN`, while the labeled set holds at
-    least two classes and the epoch made at least :data:`COLLAPSE_MIN_GUESSES` guesses.
+    (None: none) when
+
+    * that share is above :data:`COLLAPSE_SHARE` and above the class's share of the labeled set
+      ``labeled_counts`` ``(C,)`` by :data:`COLLAPSE_MARGIN`, while the labeled set holds at least two
+      classes (a collapse onto one class); or
+    * the made labels are :func:`partially_collapsed` in this epoch and, as ``starved_before`` says, in
+      the one before (most classes left without labels: every made label in 2 or 3 of 10 classes);
+
+    and the epoch made at least :data:`COLLAPSE_MIN_GUESSES` guesses.
 
     ``method`` (``"PES"``, ``"DivideMix"``) and ``where`` (e.g. ``" (net1)"``) name the source in the message.
     """
@@ -88,24 +121,41 @@ def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor |
     labeled_total = float(labeled_counts.sum())
     labeled_classes = int((labeled_counts > 0).sum())
     labeled_share = float(labeled_counts[top]) / labeled_total if labeled_total > 0 else 0.0
-    if labeled_classes < 2 or share <= COLLAPSE_SHARE or share < labeled_share + COLLAPSE_MARGIN:
-        return share, None
     key = method.lower()
     what, loss, cause, split, weight = _WORDING[key]
-    message = (
-        f"{method}{where}: {share:.0%} of this epoch's {int(total)} {what} are class {top}, while the labeled set "
-        f"holds {labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves those "
-        f"labels in each x'), so the network is learning one class for the unlabeled images. Likely causes: {cause}; a "
-        f"labeled set with few samples of the other classes ({split}); {weight}; the learning rate. Where to look: "
-        f"`{key}/{'pseudo_label' if key == 'fixmatch' else 'guess'}_top_class_share` in the logger (TensorBoard) per "
-        "epoch, and the validation accuracy per class."
-    )
-    return share, message
+    advice = (f"Likely causes: {cause}; a labeled set with few samples of the other classes ({split}); {weight}; the "
+              f"learning rate. Where to look: `{key}/{'pseudo_label' if key == 'fixmatch' else 'guess'}_top_class_share`"
+              " in the logger (TensorBoard) per epoch, and the validation accuracy per class.")
+    if labeled_classes >= 2 and share > COLLAPSE_SHARE and share >= labeled_share + COLLAPSE_MARGIN:
+        return share, (
+            f"{method}{where}: {share:.0%} of this epoch's {int(total)} {what} are class {top}, while the labeled set "
+            f"holds {labeled_classes} classes (class {top}: {labeled_share:.0%} of it). {loss} (and LP-A3 preserves "
+            f"those labels in each x'), so the network is learning one class for the unlabeled images. {advice}"
+        )
+    if starved_before and partially_collapsed(counts, labeled_counts):
+        starved = starved_classes(counts, labeled_counts)
+        kept = int((counts > 0).sum())
+        return share, (
+            f"{method}{where}: two epochs in a row, {len(starved)} of the {labeled_classes} labeled classes (classes "
+            f"{starved}) got under a fifth of their share of the labeled set among the {int(total)} {what} of the "
+            f"epoch; all of them fell in {kept} classes. {loss} (and LP-A3 preserves those labels in each x'), so the "
+            f"network is learning a few classes for all the unlabeled images. {advice}"
+        )
+    return share, None
 
 
-def warn_on_collapse(method: str, counts: Tensor, labeled_counts: Tensor | None, where: str = "") -> float:
-    """:func:`guess_collapse_warning`, its warning given (``rank_zero_warn``); returns the share."""
-    share, message = guess_collapse_warning(method, counts, labeled_counts, where)
+def warn_on_collapse(method: str, counts: Tensor, labeled_counts: Tensor | None, where: str = "",
+                     history: dict | None = None) -> float:
+    """:func:`guess_collapse_warning`, its warning given (``rank_zero_warn``); returns the share.
+
+    ``history``: a dict the caller keeps across epochs (one per source: ``where`` is its key), in which
+    this epoch's partial collapse is remembered for the next call; without it the partial rule never
+    fires."""
+    key = (method, where)
+    starved_before = bool(history.get(key, False)) if history is not None else False
+    share, message = guess_collapse_warning(method, counts, labeled_counts, where, starved_before)
+    if history is not None:
+        history[key] = partially_collapsed(counts, labeled_counts)
     if message is not None:
         # imported here: the mixins import without Lightning (a plain PyTorch loop may use them)
         from lightning.pytorch.utilities import rank_zero_warn

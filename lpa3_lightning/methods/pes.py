@@ -386,7 +386,8 @@ class PESLPA3Mixin(LPA3ModuleMixin):
         counts = tally.take(int(self.lpa3_num_classes or 0), next(model.parameters()).device)
         if counts is None:
             return {}
-        return {"pes/guess_top_class_share": warn_on_collapse("PES", counts, self._pes_labeled_counts)}
+        return {"pes/guess_top_class_share": warn_on_collapse("PES", counts, self._pes_labeled_counts,
+                                                              history=self.__dict__.setdefault("_collapse_history", {}))}
 
     # ------------------------------------------------------------------ checkpoint
     def pes_state_dict(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lpa3_lightning import DivideMixClassifier, PESClassifier
 from lpa3_lightning.core.host_reads import HostReadCounter
-from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning
+from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning, warn_on_collapse
 from lpa3_lightning.mixins import DivideMixSettings, PESSettings
 from tests.methods.reference_helpers import NUM_CLASSES, SIDE
 from tests.methods.test_dividemix_reference import DMStep
@@ -94,6 +94,43 @@ def test_a_collapsed_pes_guess_is_warned_about_naming_the_causes_and_its_share_r
     assert module.pes_guess_report() == {}  # read once: the next epoch counts afresh
 
 
+def _partial_collapse(net: nn.Sequential) -> None:
+    with torch.no_grad():  # every guess class 1 or 2: classes 0 and 3, half of the labeled ones, get none
+        net[-1].bias[1] = net[-1].bias[2] = 100.0
+
+
+def test_a_partial_pes_collapse_is_warned_about_on_its_second_epoch():
+    module = _pes(collapsed=False)
+    _partial_collapse(module.net)
+    module._pes_tally = None
+    for epoch in range(2):
+        for batch in DataLoader(_data(), batch_size=16):
+            module.pes_loss(batch)
+        if epoch == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                module.pes_guess_report()
+        else:
+            with pytest.warns(UserWarning, match=r"PES: two epochs in a row, 2 of the 4 labeled classes \(classes "
+                                                 r"\[0, 3\]\) got under a fifth"):
+                module.pes_guess_report()
+
+
+def test_a_partial_dividemix_collapse_is_warned_about_for_each_network_on_its_second_epoch():
+    module = _dividemix(collapsed=False)
+    _partial_collapse(module.a)
+    _partial_collapse(module.b)
+    module._dm_state()["tally"] = {}
+    for epoch in range(2):
+        for batch in DataLoader(_data(), batch_size=16):
+            module.dividemix_losses(batch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module.dividemix_guess_report()
+        messages = [str(w.message) for w in caught if "two epochs in a row" in str(w.message)]
+        assert len(messages) == (0 if epoch == 0 else 2), messages
+
+
 def test_a_healthy_pes_guess_is_silent_and_its_share_reported():
     module = _pes(collapsed=False)
     with warnings.catch_warnings():
@@ -151,6 +188,44 @@ def test_the_collapse_rule(counts, labeled, fires):
     share, message = guess_collapse_warning("PES", torch.tensor(counts), torch.tensor(labeled))
     assert share == pytest.approx(max(counts) / sum(counts))
     assert (message is not None) == fires
+    # the partial-collapse rule, given its second epoch in a row, is silent on every row the first rule spares
+    _, message = guess_collapse_warning("PES", torch.tensor(counts), torch.tensor(labeled), starved_before=True)
+    assert (message is not None) == fires
+
+
+@pytest.mark.parametrize("counts, labeled", [
+    ([50, 50] + [0] * 8, [4] * 10),  # every made label in 2 of 10 classes: the top share 0.50
+    ([60, 40] + [0] * 8, [4] * 10),  # 0.60
+    ([34, 33, 33] + [0] * 7, [4] * 10),  # 3 of 10 classes: 0.34
+    ([50, 50, 0, 0], [10, 10, 10, 10]),  # 2 of 4
+    ([0, 13, 11, 0], [6, 6, 6, 6]),  # PES end to end: half of the labeled classes get no guess
+], ids=["2of10_half", "2of10_60", "3of10", "2of4", "pes_end_to_end"])
+def test_a_partial_collapse_is_warned_about_on_its_second_epoch_in_a_row(counts, labeled):
+    """At least half of the labeled classes (3 or more of them) get under a fifth of their labeled share of the
+    made labels, in two epochs in a row (one epoch like it is seen in healthy runs: 4 of 10 classes without a
+    confident pseudo-label in FixMatch's first epoch)."""
+    share, first = guess_collapse_warning("PES", torch.tensor(counts), torch.tensor(labeled))
+    assert first is None and share <= 0.6
+    _, second = guess_collapse_warning("PES", torch.tensor(counts), torch.tensor(labeled), starved_before=True)
+    assert second is not None and "under a fifth of their share of the labeled set" in second
+
+
+def test_a_healthy_first_fixmatch_epoch_with_four_empty_classes_is_not_a_partial_collapse():
+    counts, labeled = [30, 25, 20, 15, 10, 6, 0, 0, 0, 0], [4] * 10  # 4 of 10 classes without a made label
+    _, message = guess_collapse_warning("FixMatch", torch.tensor(counts), torch.tensor(labeled), starved_before=True)
+    assert message is None
+
+
+def test_warn_on_collapse_remembers_the_last_epoch_in_the_history_it_is_given():
+    history: dict = {}
+    counts, labeled = torch.tensor([0, 13, 11, 0]), torch.tensor([6, 6, 6, 6])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_on_collapse("PES", counts, labeled, history=history)  # the first epoch: silent
+        warn_on_collapse("PES", torch.tensor([6, 6, 6, 6]), labeled, history=history)  # healthy: the streak ends
+        warn_on_collapse("PES", counts, labeled, history=history)
+    with pytest.warns(UserWarning, match="under a fifth of their share"):
+        warn_on_collapse("PES", counts, labeled, history=history)
 
 
 def _trainer(tmp_path) -> pl.Trainer:
@@ -176,3 +251,26 @@ def test_the_ready_modules_log_the_share_each_semi_supervised_epoch(tmp_path):
     for key in ("dividemix/guess_top_class_share", "dividemix/net1/guess_top_class_share",
                 "dividemix/net2/guess_top_class_share"):
         assert 0.25 <= float(trainer.logged_metrics[key]) <= 1.0, key
+
+
+def test_a_partial_fixmatch_collapse_is_warned_about_on_its_second_epoch():
+    from tests.methods.test_fixmatch import UserFixMatch
+
+    module = UserFixMatch(num_unlabeled=64)
+    pseudo = torch.tensor([1, 2] * 15)  # every confident pseudo-label class 1 or 2 of 3: class 0 starved...
+    labeled = torch.tensor([0, 1, 2] * 4)
+    for epoch in range(2):
+        module._count_pseudo_labels(pseudo, torch.ones_like(pseudo, dtype=torch.bool), labeled, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module.fixmatch_pseudo_label_report()
+        # ... but 1 of 3 classes is under half: no partial collapse; now with 4 classes, 2 of them starved
+        assert not [w for w in caught if "two epochs in a row" in str(w.message)]
+    module.lpa3_num_classes = 4
+    pseudo, labeled = torch.tensor([1, 2] * 15), torch.tensor([0, 1, 2, 3] * 4)
+    for epoch in range(2):
+        module._count_pseudo_labels(pseudo, torch.ones_like(pseudo, dtype=torch.bool), labeled, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module.fixmatch_pseudo_label_report()
+        assert len([w for w in caught if "FixMatch: two epochs in a row" in str(w.message)]) == epoch
