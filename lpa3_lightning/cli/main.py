@@ -17,7 +17,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.cli import LightningCLI
 
-from lpa3_lightning.cli.parser import LPA3ArgumentParser
+from lpa3_lightning.cli.parser import OPTIMIZER_NOTE, LPA3ArgumentParser
 
 __all__ = ["LPA3CLI", "build_cli", "main"]
 
@@ -28,6 +28,7 @@ class LPA3CLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=False,
                             help="After fit, test the best checkpoint and print the test metrics.")
+        parser.epilog = OPTIMIZER_NOTE
 
     def after_fit(self) -> None:
         if not self.config[self.subcommand].get("test_after_fit"):

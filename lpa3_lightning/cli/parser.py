@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-__all__ = ["LPA3ArgumentParser", "explain"]
+__all__ = ["LPA3ArgumentParser", "OPTIMIZER_NOTE", "explain"]
 
 #: jsonargparse's report of a key a class does not take: the class path, then the key
 _NOT_ACCEPTED = re.compile(r"class_path '([\w.]+)':\s*\n\s*Option '(\w+)' is not accepted")
@@ -25,9 +25,23 @@ def _class(path: str) -> Any:
         return None
 
 
+#: what ``lpa3 fit --help`` and a config with an ``optimizer:`` / ``lr_scheduler:`` key say
+OPTIMIZER_NOTE = (
+    "The optimizer and the learning-rate schedule belong to the module (its configure_optimizers), so `optimizer:` "
+    "and `lr_scheduler:` keys are not taken: set the ready modules' recipe under model.init_args (lr, momentum, "
+    "weight_decay; LPA3Classifier: milestones, lr_gamma), or write configure_optimizers in your own module."
+)
+#: jsonargparse's report of an optimizer or schedule key (LightningCLI's, off in ``lpa3``)
+_OPTIMIZER_KEY = re.compile(r"(?:does not accept option|Option) '(optimizer|lr_scheduler)\b")
+
+
 def explain(message: str) -> str | None:
     """The package's message for a key that LPA3Callback or one of its settings groups does not
-    take, found in a jsonargparse error ``message`` (None when there is none)."""
+    take, or an ``optimizer:`` / ``lr_scheduler:`` key, found in a jsonargparse error ``message``
+    (None when there is none)."""
+    optimizer = _OPTIMIZER_KEY.search(message)
+    if optimizer is not None:
+        return f"{message.strip()}: `{optimizer.group(1)}:` is not an option of lpa3. {OPTIMIZER_NOTE}"
     from lpa3_lightning.callback.lpa3_callback import LPA3Callback
     from lpa3_lightning.callback.settings import GROUPS, _group_of
     from lpa3_lightning.core.arguments import dataclass_from

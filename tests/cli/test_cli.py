@@ -209,3 +209,22 @@ def test_the_lpa3_command_imports_a_module_from_the_current_folder(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "class_path: my_module.MyModule" in done.stdout
+
+
+@pytest.mark.parametrize("block, key", [
+    ("lr_scheduler:\n  class_path: torch.optim.lr_scheduler.CosineAnnealingLR\n  init_args:\n    T_max: 10\n",
+     "lr_scheduler"),
+    ("optimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: 0.01\n", "optimizer"),
+])
+def test_an_optimizer_or_schedule_in_a_config_names_that_the_module_owns_them(tmp_path, capsys, block, key):
+    """LightningCLI's `optimizer:` / `lr_scheduler:` keys are off (each module's configure_optimizers holds its
+    recipe): a config with them says so and where the recipe's settings are, not only 'does not accept'."""
+    err = _refused(tmp_path, capsys, (CONFIGS / "lpa3_maxstep1.yaml").read_text() + block)
+    assert f"`{key}:`" in err and "configure_optimizers" in err and "model.init_args" in err, err
+    assert len(err.splitlines()) <= 6, err
+
+
+def test_fit_help_says_the_modules_own_their_optimizer_and_schedule(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert "configure_optimizers" in capsys.readouterr().out
