@@ -127,7 +127,6 @@ class Split:
     name: str
     normalization: Any
     class_names: list[str] | None
-    own: bool = False
 
 
 class _EvalView(Dataset):
@@ -195,8 +194,7 @@ def _own_split(cls: type, hparams: dict[str, Any], split: str, root: str | None 
                          "without one map-style dataset (e.g. a CombinedLoader of labeled and unlabeled batches), so "
                          "the command cannot take its images. Fix: pass --split with a split whose loader is a "
                          f"DataLoader, or {OWN_CODE}.")
-    return Split(dataset, cls.__name__, getattr(data, "normalization", None), _class_names(data, dataset, None),
-                 own=True)
+    return Split(dataset, cls.__name__, getattr(data, "normalization", None), _class_names(data, dataset, None))
 
 
 def _class_names(data: Any, dataset: Any, name: str | None) -> list[str] | None:

@@ -158,24 +158,29 @@ def save_network_record(module: pl.LightningModule, checkpoint: dict[str, Any], 
                                   "given": getattr(module, "_lpa3_network_given", None)}
 
 
+def _weights_fit(network: nn.Module, state: Mapping[str, Any], prefix: str) -> bool:
+    """Whether the checkpoint's ``prefix`` weights have the network's names and shapes."""
+    own = {f"{prefix}{key}": tuple(value.shape) for key, value in network.state_dict().items()}
+    saved = {key: tuple(getattr(value, "shape", ())) for key, value in state.items() if key.startswith(prefix)}
+    return own == saved
+
+
 def check_network_record(module: pl.LightningModule, checkpoint: dict[str, Any], network: nn.Module,
                          argument: str = "model") -> None:
-    """Refuse a checkpoint whose network is of another class than the one ``module`` built, before its
-    weights fail to load as a size mismatch.
+    """Refuse a checkpoint whose network's weights do not fit the network ``module`` built (``module.<argument>``),
+    naming how it was given and the fix, before they fail to load as a size mismatch.
 
     Raises:
-        NetworkNotSavedError: the checkpoint's network was given as an object, naming the fix.
-        ValueError: another network class, naming the fix.
+        NetworkNotSavedError: the checkpoint's network was given as an object, and ``module`` built ``arch``.
+        ValueError: another network, naming the fix.
     """
     record = checkpoint.get(NETWORK_RECORD)
     if not isinstance(record, Mapping) or not isinstance(record.get("network"), str):
         return
+    if _weights_fit(network, checkpoint.get("state_dict", {}), f"{argument}."):
+        return  # (an object that `arch` builds alike loads as it always did)
     name, saved, built = type(module).__name__, record["network"], _class_path(network)
     given = getattr(module, "_lpa3_network_given", None)
-    # (the class alone does not tell: `arch` builds torchvision's ResNet class too)
-    rebuilt = given != "arch" or record.get("given") in (None, "arch")
-    if saved == built and rebuilt:
-        return
     how = {"arch": "from `arch`", "config": "from its class-path config",
            "object": "from the network you passed"}.get(given, "")
     short = saved.rsplit(".", 1)[-1]

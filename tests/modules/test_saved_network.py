@@ -97,6 +97,14 @@ def test_a_torchvision_resnet_given_as_an_object_is_asked_for_again_though_arch_
         LPA3Classifier.load_from_checkpoint(ckpt)
 
 
+def test_a_network_object_that_arch_builds_alike_still_loads_without_being_passed_again(tmp_path):
+    """An object whose weights fit the network ``arch`` builds (the same class and shapes) loads as before."""
+    from lpa3_lightning.models.resnet import medmnist_resnet
+
+    module = LPA3Classifier(num_classes=2, model=medmnist_resnet("resnet18", 1, 2))
+    assert _same_weights(LPA3Classifier.load_from_checkpoint(_save(module, tmp_path / "m.ckpt")), module)
+
+
 def test_a_model_that_is_neither_a_network_nor_a_config_is_refused_by_name():
     with pytest.raises(TypeError, match=r"`model` must be an nn.Module or a class-path config.*got str.*Fix"):
         LPA3Classifier(model="resnet18")
