@@ -308,7 +308,7 @@ def _fit_resnet18(tmp_path) -> str:
     main(["fit", "--model", "lpa3_lightning.LPA3Classifier", "--model.init_args.in_channels=3",
           "--model.init_args.num_classes=3", "--model.init_args.model", "torchvision.models.resnet18",
           "--model.init_args.model.init_args.num_classes=3", "--data", "tests.cli.test_show.Colours",
-          "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0",
+          "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=0",
           "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
           "--trainer.callbacks+=lpa3_lightning.LPA3Callback", "--trainer.callbacks.init_args.steps=1"])
