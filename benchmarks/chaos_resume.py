@@ -1,7 +1,7 @@
 """The chaos run: SIGKILL training at random moments, relaunch it from its last checkpoint, and
 compare its end bitwise with the same fit run without interruption.
 
-    python benchmarks/chaos_resume.py [--seed 0] [--kills 12] [--out runs/chaos]
+    python benchmarks/chaos_resume.py [--seed 0] [--kills 16] [--out runs/chaos]
     python benchmarks/chaos_resume.py --fast   # the suite's variant (tests/test_chaos_resume.py)
 
 Each scenario is one fit: 48 samples, 3 epochs of 3 steps (each process's batches), epoch 0 a
@@ -9,7 +9,10 @@ warm-up without ``x'``, validation at every epoch's end, SGD with momentum and a
 LPA3Callback, the global generator saved with each checkpoint (``GlobalRandomState``) and a
 checkpoint at every step (``ModelCheckpoint(every_n_train_steps=1, save_top_k=0, save_last=True)``).
 The scenarios: one process and two (DDP, gloo, Lightning's launcher), without the ``x'`` cache and
-with it (K=2, ``cache.in_checkpoint=True``) in memory or on disk (``max_bytes=0``). Each runs once
+with it (K=2, ``cache.in_checkpoint=True``) in memory or on disk (``max_bytes=0``); and each ready
+module (FixMatch, PES, DivideMix) on its own data module, one process, 3 steps an epoch
+(``tests/modules/test_ready_resume.py``'s settings: FixMatch on MNIST-5k with its EMA, PES and
+DivideMix on BreastMNIST with flipped labels, through their phases). Each runs once
 without interruption, then under its kills: every launch resumes from ``last.ckpt`` and is
 SIGKILLed at its kill (under DDP on one rank, drawn at random; the other rank then fails and the
 job is cleaned up, as a scheduler's requeue would), and a last launch trains to the end.
@@ -47,9 +50,13 @@ sys.path.insert(0, str(ROOT))
 
 EPOCHS, BATCHES, N = 3, 3, 48  # 3 steps an epoch on every process
 POINTS = ("epoch_first_step", "mid_epoch", "checkpoint_write", "epoch_last_step", "validation")
-#: the scenarios: (processes, cache) with cache one of none, memory, file
+#: the scenarios: (processes, cache) with cache one of none, memory, file; the supervised mixin on a small CNN,
+#: or a ready module on its own data module (READY)
 SCENARIOS = {"1proc": (1, "none"), "1proc_cache_memory": (1, "memory"), "1proc_cache_file": (1, "file"),
-             "ddp": (2, "none"), "ddp_cache_file": (2, "file")}
+             "ddp": (2, "none"), "ddp_cache_file": (2, "file"),
+             "fixmatch": (1, "none"), "pes": (1, "none"), "dividemix": (1, "none")}
+#: the ready modules' scenarios, each on its own data module with 3 steps an epoch (tests/modules/test_ready_resume.py)
+READY = ("fixmatch", "pes", "dividemix")
 
 
 @dataclass(frozen=True, order=True)
@@ -114,9 +121,10 @@ FAST = {"1proc_cache_memory": [Kill.at("epoch_last_step", 0, BATCHES - 1), Kill.
 
 
 # ---------------------------------------------------------------------------------------- the fit
-def worker(out: Path, world: int, cache: str, kill: Kill | None) -> None:
+def worker(out: Path, world: int, cache: str, kill: Kill | None, ready: str | None = None) -> None:
     """One launch of a scenario's fit in ``out``: resumed from ``out/ckpt/last.ckpt`` when there
-    is one, SIGKILLed at ``kill``; at the end each rank writes ``out/final_rank{R}.pt``."""
+    is one, SIGKILLed at ``kill``; at the end each rank writes ``out/final_rank{R}.pt``. ``ready``:
+    one of :data:`READY`, the ready module on its data module instead of the supervised mixin."""
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F
@@ -141,6 +149,19 @@ def worker(out: Path, world: int, cache: str, kill: Kill | None) -> None:
 
     def due(trainer: pl.Trainer, epoch: int, batch: int) -> bool:
         return kill is not None and trainer.global_rank == kill.rank and (epoch, batch) == (kill.epoch, kill.batch)
+
+    def hooked(cls: type) -> type:
+        """``cls`` with the kill of an epoch's last step in its own ``on_train_batch_end`` (a module's hook
+        runs after every callback's, ModelCheckpoint's save included)."""
+
+        class Killed(cls):
+            def on_train_batch_end(self, outputs, batch, batch_idx):
+                super().on_train_batch_end(outputs, batch, batch_idx)
+                if kill is not None and kill.point == "epoch_last_step" and due(self.trainer, self.current_epoch,
+                                                                                 batch_idx):
+                    die(self.trainer)
+
+        return Killed
 
     class Chaos(TinyClassifier):
         """The supervised mixin with validation and a schedule; under DDP without BatchNorm and dropout."""
@@ -184,23 +205,32 @@ def worker(out: Path, world: int, cache: str, kill: Kill | None) -> None:
     settings = {"none": {}, "memory": {"regenerate_every_n_epochs": 2, "in_checkpoint": True},
                 "file": {"regenerate_every_n_epochs": 2, "in_checkpoint": True, "max_bytes": 0,
                          "dir": str(out / "cache")}}[cache]
-    lpa3 = LPA3Callback(ratio=0.5, steps=2, seed=0, warmup_epochs=1, cache=settings)
-    callbacks = [lpa3, GlobalRandomState(),
+    extra: list = []
+    if ready is None:
+        lpa3 = LPA3Callback(ratio=0.5, steps=2, seed=0, warmup_epochs=1, cache=settings)
+        module, fit_data = Chaos(), {}
+    else:  # the ready module and its data module, each epoch 3 steps (validation: the data module's, one batch)
+        from tests.modules.test_ready_resume import ready_setting
+
+        data, module, lpa3, _, extra = ready_setting(ready, out, batches_per_epoch=BATCHES, wrap=hooked)
+        fit_data = {"datamodule": data}
+    callbacks = [lpa3, *extra, GlobalRandomState(),
                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=0, save_last=True)]
     if kill is not None:
         callbacks.append(KillAt())
     trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
                          deterministic=True, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
-    module = Chaos()
-    loader = train_loader(indexed_images(N), N // (BATCHES * world), seed=0, num_replicas=trainer.world_size,
-                          rank=trainer.global_rank)
+                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out,
+                         limit_val_batches=1 if ready else 1.0)
     last = out / "ckpt" / "last.ckpt"
-    trainer.fit(module, loader, DataLoader(indexed_images(16, seed=1), batch_size=8),
-                ckpt_path=last if last.exists() else None)
-    runner = lpa3.runner()
-    state = {"weights": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
-             "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+    if ready is None:
+        loader = train_loader(indexed_images(N), N // (BATCHES * world), seed=0, num_replicas=trainer.world_size,
+                              rank=trainer.global_rank)
+        fit_data = {"train_dataloaders": loader, "val_dataloaders": DataLoader(indexed_images(16, seed=1), batch_size=8)}
+    trainer.fit(module, **fit_data, ckpt_path=last if last.exists() else None)
+    runner = lpa3.runner() if not lpa3.networks else next(iter(lpa3.networks.values()))
+    state = {"weights": module.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
+             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
              "tcs": runner.tcs.state_dict(), "callback": lpa3.state_dict(),
              "cache": None if runner.store is None else runner.store.state_dict(include_inputs=True),
              "loop": {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
@@ -234,11 +264,12 @@ def differences(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} and {b!r}"]
 
 
-def launch(out: Path, world: int, cache: str, kill: Kill | None, timeout: float = 300) -> int:
+def launch(out: Path, world: int, cache: str, kill: Kill | None, timeout: float = 300, ready: str | None = None) -> int:
     """One launch of the worker (its own process group: a DDP job's ranks end with it)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), "--world", str(world),
-               "--cache", cache] + ([] if kill is None else ["--kill", kill.spec()])
+               "--cache", cache] + ([] if kill is None else ["--kill", kill.spec()]) + \
+        ([] if ready is None else ["--ready", ready])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(out / "launches.log", "a") as log:
         job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -271,15 +302,16 @@ def run_scenario(name: str, kills: list[Kill], out: Path) -> bool:
     import torch
 
     world, cache = SCENARIOS[name]
+    ready = name if name in READY else None
     started = time.monotonic()
     reference, chaos = out / name / "uninterrupted", out / name / "chaos"
     ok = True
-    if launch(reference, world, cache, None) != 0:
+    if launch(reference, world, cache, None, ready=ready) != 0:
         print(f"  {name}: the uninterrupted run failed (log: {reference / 'launches.log'})")
         return False
     for kill in kills:
         before = _last_step(chaos)
-        code = launch(chaos, world, cache, kill)
+        code = launch(chaos, world, cache, kill, ready=ready)
         noted = (chaos / "killed.txt").read_text().splitlines() if (chaos / "killed.txt").exists() else []
         hit = bool(noted) and noted[-1].startswith(kill.spec())
         after = _last_step(chaos)
@@ -295,7 +327,7 @@ def run_scenario(name: str, kills: list[Kill], out: Path) -> bool:
             ok &= not left
         print(line, flush=True)
         ok &= hit and code != 0
-    if launch(chaos, world, cache, None) != 0:
+    if launch(chaos, world, cache, None, ready=ready) != 0:
         print(f"  {name}: the last launch failed (log: {chaos / 'launches.log'})")
         return False
     for rank in range(world):
@@ -325,7 +357,7 @@ def _last_step(out: Path) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (printed: replay a failure with it)")
-    parser.add_argument("--kills", type=int, default=12, help="kills over all scenarios (>= 10)")
+    parser.add_argument("--kills", type=int, default=16, help="kills over all scenarios (>= 10)")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos")
     parser.add_argument("--fast", action="store_true", help="the suite's variant: an epoch's end, a validation, "
@@ -334,13 +366,14 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cache", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--kill", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ready", default=None, choices=READY, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         kill = None
         if args.kill:
             point, epoch, batch, rank = args.kill.split(":")
             kill = Kill.at(point, int(epoch), int(batch), int(rank))
-        worker(args.worker, args.world, args.cache, kill)
+        worker(args.worker, args.world, args.cache, kill, args.ready)
         return
     print(f"chaos run: seed {args.seed}{' (fast variant: a fixed schedule)' if args.fast else ''}; out {args.out}")
     schedule = FAST if args.fast else draw_schedule(args.seed, args.kills, args.scenarios)

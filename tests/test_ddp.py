@@ -335,7 +335,9 @@ def test_every_rank_makes_the_same_synced_batchnorm_forwards(shared, mode):
     assert rank0["synced_forwards"] > 0
     assert rank0["synced_forwards"] == rank1["synced_forwards"]
     if mode == "syncbn_pes_grid":
-        assert rank0["grid"] is not None and rank1["grid"] is not None  # made on both, logged by rank 0
+        # rank 0 draws it; rank 1, whose rows in PES's semi-supervised phase (the only one that trains x', the only
+        # one with a grid) are all labeled, has no image to draw, but made the request's synced forwards all the same
+        assert rank0["grid"] is not None
 
 
 def test_an_override_that_differs_by_rank_stops_every_rank_with_its_name(tmp_path):

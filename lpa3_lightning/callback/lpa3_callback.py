@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lpa3_lightning.callback.checkpoint_io import AtomicCheckpointIO
+from lpa3_lightning.callback.console import ConsoleReport
 from lpa3_lightning.callback.module_checks import (
     check_module,
     check_synced_batchnorm,
@@ -205,6 +207,7 @@ class LPA3Callback(Callback):
                              f"but cache.regenerate_every_n_epochs={self.cache.regenerate_every_n_epochs}. Fix: "
                              "cache.regenerate_every_n_epochs=1, or augment='lpa3'.")
         self._off_state: dict[str, Any] | None = None  # augment="off": the checkpoint's LP-A3 state, kept as it came
+        self._console = ConsoleReport()
         self._runners: dict[str | None, NetworkRunner] = {None: NetworkRunner()}
         self._views: dict[str | None, Any] = {}
         self._base_seed: int | None = seed  # fixed at the first fit when None, then kept in checkpoints
@@ -303,6 +306,7 @@ class LPA3Callback(Callback):
         if self.augment == "off":
             return
         _refuse_an_unrestored_loader_position(trainer)
+        self._console = ConsoleReport()
         settings = self.resolve(trainer, pl_module)
         for runner, module in self._each(pl_module):
             num_classes = getattr(module, "lpa3_num_classes", None)
@@ -331,22 +335,41 @@ class LPA3Callback(Callback):
                 runner.memory().refresh_threshold()
             self._unended_epoch = None
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.augment == "off":
+            return
+        epoch = trainer.current_epoch
+        on = epoch >= self.warmup_epochs and any(consumes_of(module)(epoch) for _, module in self._each(pl_module))
+        self._console.epoch_start(epoch, on, self.ratio, self.steps)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self.augment == "off":
             return
+        self._console.step_start()
+        start = time.perf_counter()
         each = self._each(pl_module)
         prepared = [runner.prepare(trainer, module, batch, batch_idx, consumes_of(module)) for runner, module in each]
         agree(trainer, pl_module, prepared, list(self._runners))
         for (runner, module), ready in zip(each, prepared):
             runner.hand_over(trainer, module, ready, self.on_augmented)
+        self._console.lpa3_work(time.perf_counter() - start)
+        self._step_counts = (sum(len(p.augmented) for p in prepared if p.augmented is not None),
+                             max((p.request.inputs.shape[0] for p in prepared if p.request is not None), default=0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.augment == "off":
             return
+        start = time.perf_counter()
         for runner, module in self._each(pl_module):
             runner.finish(trainer, module)
+        self._console.lpa3_work(time.perf_counter() - start)
+        self._console.step_end(pl_module, *getattr(self, "_step_counts", (0, 0)))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.augment != "off":
+            self._console.summary()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._resume_point is not None:
