@@ -69,3 +69,25 @@ def test_the_resume_command_continues_the_runs_own_logs(tmp_path, monkeypatch):
     runs = tmp_path / "runs" / "demo_breastmnist_lpa3"
     assert sorted(p.name for p in runs.glob("version_*")) == ["version_0"]
     assert len(list((runs / "version_0").glob("events.out.tfevents.*"))) >= 1
+
+
+def test_the_loop_without_lightning_runs_without_lightning_and_keeps_x_prime_in_the_datas_range(tmp_path):
+    """The "Without Lightning" block in a process where Lightning cannot be imported (it imported
+    IndexedDataset from lpa3_lightning.data, whose data modules import Lightning), and its x' stay in the
+    data's box (the block called lpa3_attack without input_range: x' spanned [-1.17, 1.01] on [-1, 1] data)."""
+    import subprocess
+    import sys
+
+    (block,) = [code for code in PYTHON if "lpa3_attack(" in code and "pl.Trainer" not in code]
+    blocker = ("import sys\n"
+               "class NoLightning:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):\n"
+               "            raise ImportError(f'{name} is blocked: the loop must run without Lightning')\n"
+               "sys.meta_path.insert(0, NoLightning())\n")
+    check = "\nassert float(x_adv.min()) >= -1.0 and float(x_adv.max()) <= 1.0, (x_adv.min(), x_adv.max())\n"
+    script = tmp_path / "loop.py"
+    script.write_text(blocker + block + check)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]

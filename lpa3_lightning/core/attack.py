@@ -26,6 +26,7 @@ are taken with :func:`torch.autograd.grad` w.r.t. the perturbation only.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -117,7 +118,7 @@ def lpa3_attack(
     steps: int = 5,
     lam: float = 1.0,
     layers: str | Sequence[str] | None = None,
-    input_range: InputRange = None,
+    input_range: InputRange | str = "unset",
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     project: bool = True,
@@ -146,7 +147,9 @@ def lpa3_attack(
         layers: feature layers (names / glob patterns); None for the documented default.
         input_range: valid input bounds, ``(low, high)`` (scalars or per channel) or
             ``{"mean": ..., "std": ...}`` of a normalisation of ``[0, 1]`` data; None for
-            no clamping (non-image inputs).
+            no clamping (non-image inputs). Left out, no clamping either, with a warning when
+            ``x`` is an image batch ``(N, 1 or 3, H, W)``: ``x'`` would leave the pixels' range
+            without a word (pass None to say there is no box).
         temperature: softmax temperature of ``log p``.
         generator: random generator for the initial noise (reproducibility).
         project: True (default) guarantees the constraint for every returned sample by a
@@ -246,6 +249,13 @@ def lpa3_attack(
     if not sync_free and not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x.flatten(1))).any(1).nonzero().flatten().tolist()
         raise ValueError(f"`x` has NaN or Inf in samples {bad[:10]}. Fix: drop those samples before the attack.")
+    if isinstance(input_range, str) and input_range == "unset":
+        input_range = None
+        if x.dim() == 4 and x.shape[1] in (1, 3):
+            warnings.warn("lpa3_attack got no `input_range` for an image batch, so x' is not kept inside the pixels' "
+                          "range (it may leave it, e.g. [-1.17, 1.01] on images in [-1, 1]). Fix: pass the box of the "
+                          "inputs as the model receives them: input_range=(low, high), or {'mean': [...], 'std': [...]} "
+                          "of the normalisation of [0, 1] pixels; input_range=None for unbounded inputs.", stacklevel=2)
     out_dtype = x.dtype
     x_given = x.detach()
     # Precision: the solver runs with autocast off, in the dtype of the model's parameters

@@ -643,3 +643,15 @@ def test_the_method_doc_names_the_dtype_the_constraint_is_compared_in():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert label_logp(torch.zeros(2, 3, dtype=dtype), y, 1.0).dtype == getattr(torch, stated.group(1)), dtype
     assert label_logp(torch.zeros(2, 3, dtype=torch.float64), y, 1.0).dtype == torch.float64
+
+
+def test_an_image_batch_without_an_input_range_is_warned_about_and_none_says_there_is_no_box():
+    import warnings
+
+    model = small_cnn().eval()
+    x, y = torch.rand(4, 1, 28, 28) * 2 - 1, torch.tensor([0, 1, 2, 0])
+    with pytest.warns(UserWarning, match=r"no `input_range` for an image batch.*Fix: pass the box"):
+        lpa3_attack(model, x, y, steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lpa3_attack(model, x, y, steps=1, input_range=None)  # said: no box
