@@ -143,32 +143,11 @@ def git_commit() -> str:
 
 
 def paired_difference(base: Mapping[int, float], other: Mapping[int, float], confidence: float = 0.95) -> dict:
-    """Paired statistics of ``other - base`` over the seeds both have (same seed: same split, noise
-    and initial weights): the per-seed differences, their mean and standard deviation, the two-sided
-    Student-t interval of the mean at ``confidence``, the seeds where ``other`` is above, and the
-    verdict the interval gives: ``"helps"`` (all above 0), ``"hurts"`` (all below 0) or ``"no
-    difference found"``.
+    """:func:`lpa3_lightning.cli.paired.paired_difference`, the package's one implementation (imported
+    here when called: importing the harness imports no Lightning, and the statistics need none)."""
+    from lpa3_lightning.cli.paired import paired_difference as package_paired_difference
 
-    Example:
-        >>> paired_difference({0: 0.80, 1: 0.82, 2: 0.81}, {0: 0.85, 1: 0.86, 2: 0.87})["verdict"]
-        'helps'
-    """
-    from scipy import stats
-
-    seeds = sorted(set(base) & set(other))
-    diffs = [other[s] - base[s] for s in seeds]
-    n = len(diffs)
-    if not all(math.isfinite(d) for d in diffs):  # a diverged run (NaN accuracy) is no evidence either way
-        return {"seeds": seeds, "diffs": diffs, "mean": math.nan, "std": math.nan, "ci": (math.nan, math.nan),
-                "confidence": confidence, "above": sum(d > 0 for d in diffs), "n": n,
-                "verdict": "a run without a finite accuracy: no interval"}
-    mean = statistics.mean(diffs) if diffs else math.nan
-    std = statistics.stdev(diffs) if n > 1 else math.nan
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n) if n > 1 else math.nan
-    low, high = mean - half, mean + half
-    verdict = "helps" if low > 0 else "hurts" if high < 0 else "no difference found"
-    return {"seeds": seeds, "diffs": diffs, "mean": mean, "std": std, "ci": (low, high), "confidence": confidence,
-            "above": sum(d > 0 for d in diffs), "n": n, "verdict": verdict if n > 1 else "one seed: no interval"}
+    return package_paired_difference(base, other, confidence)
 
 
 def load_results(out: Path, keep: Callable[[dict], bool] = lambda result: True) -> list[dict]:

@@ -1,5 +1,20 @@
-"""The ``lpa3`` command (LightningCLI over any module and data module) and ``lpa3 show``."""
+"""The ``lpa3`` command (LightningCLI over any module and data module), ``lpa3 show`` and ``lpa3 compare``.
 
-from lpa3_lightning.cli.main import LPA3CLI, build_cli, main
+Each name loads with its module on first use: :mod:`lpa3_lightning.cli.paired` (the paired statistics)
+imports without Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["LPA3CLI", "build_cli", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        value = getattr(importlib.import_module("lpa3_lightning.cli.command"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lpa3_lightning.cli' has no attribute {name!r}")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.ssl_table import contradiction
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -79,3 +81,12 @@ def test_saturation_prints_every_bn_mode_and_step_cap(tmp_path):
 
     missing = _script("saturation.py", "--ckpt", str(tmp_path / "none.ckpt"))
     assert missing.returncode == 1 and "--ckpt" in missing.stderr and "make demo" in missing.stderr
+
+
+def test_a_tally_at_chance_beside_a_high_accuracy_is_flagged_and_the_reverse_too():
+    assert "near chance" in contradiction({"masked_acc": 0.10, "raw_test_acc": 0.79, "masked_count": 224}, 10)
+    assert "near chance" in contradiction({"masked_acc": 0.95, "raw_test_acc": 0.11, "masked_count": 224}, 10)
+    assert contradiction({"masked_acc": 0.93, "raw_test_acc": 0.90, "masked_count": 224}, 10) is None
+    assert contradiction({"masked_acc": 0.10, "raw_test_acc": 0.12, "masked_count": 224}, 10) is None  # both low
+    assert contradiction({"masked_acc": 0.0, "raw_test_acc": 0.53, "masked_count": 3}, 10) is None  # too few counted
+    assert contradiction({"masked_acc": None, "raw_test_acc": 0.9}, 10) is None
