@@ -4,7 +4,9 @@
 ``--test_after_fit true`` it then tests the best checkpoint (or the last weights when no
 checkpoint callback monitors a metric) and prints the test metrics and where results went.
 ``python -m lpa3_lightning`` is the same command. ``lpa3 show --ckpt ... --out grid.png``
-writes a picture of x, x' and |x' - x| for a trained checkpoint (:mod:`lpa3_lightning.cli.show`).
+writes a picture of x, x' and |x' - x| for a trained checkpoint (:mod:`lpa3_lightning.cli.show`);
+``lpa3 compare --config ... --seeds ... --out DIR`` runs a config with LP-A3 and with it off on paired
+seeds and prints the paired difference of every test metric (:mod:`lpa3_lightning.cli.compare`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,13 @@ def main(args: Any = None) -> None:
         from lpa3_lightning.cli.show import main as show_main
 
         show_main(argv[1:])
+        return
+    if argv[:1] == ["compare"]:
+        from lpa3_lightning.cli.compare import main as compare_main
+
+        code = compare_main(argv[1:])
+        if code:
+            raise SystemExit(code)
         return
     build_cli(args)
     # the command's end: release the process group a DDP run created. Left to interpreter exit, gloo's
