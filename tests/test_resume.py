@@ -1,7 +1,7 @@
 """Exact resume: a run SIGKILLed mid-epoch, or in an epoch's first step (its last checkpoint was
 written on the previous epoch's last batch), and resumed from its last checkpoint ends bitwise
 equal to an uninterrupted run (TCS memory, threshold, cached x', weights). The training loader's
-own tests: tests/data/test_train_loader.py; Lightning's hooks after a resume:
+own tests: tests/data/test_sampling.py; Lightning's hooks after a resume:
 tests/callback/test_resume_point.py."""
 
 from __future__ import annotations

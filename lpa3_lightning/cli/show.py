@@ -147,7 +147,7 @@ class _EvalView(Dataset):
 def _split(checkpoint: dict[str, Any], root: str | None, split: str) -> Split:
     """The split ``lpa3 show`` draws from, as the checkpoint's data module makes it."""
     from lpa3_lightning.data import MedMNISTDataModule, NoisyLabelDataModule, SemiSupervisedDataModule
-    from lpa3_lightning.data.ssl_sources import source_facts
+    from lpa3_lightning.data.ssl_datasets import source_facts
 
     data_hparams = checkpoint.get("datamodule_hyper_parameters", {})
     own = _saved_class(data_hparams)

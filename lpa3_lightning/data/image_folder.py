@@ -1,12 +1,4 @@
-"""A data module for your own images: a folder of class sub-folders (torchvision's ``ImageFolder``
-layout) as ``(x, y, index)`` batches, with what LP-A3 and ``lpa3 show`` read from a data module.
-
-    lpa3 fit --model lpa3_lightning.LPA3Classifier --model.init_args.in_channels 1 \\
-        --model.init_args.num_classes 2 --data lpa3_lightning.data.ImageFolderDataModule \\
-        --data.root /path/to/images --trainer.callbacks+=lpa3_lightning.LPA3Callback
-
-What any data module must provide for LP-A3 (this one is an example): docs/configs-and-data.md.
-"""
+"""Your own images: a folder of class sub-folders (``ImageFolder``'s layout) as ``(x, y, index)`` batches."""
 
 from __future__ import annotations
 
@@ -27,29 +19,21 @@ from torchvision.transforms import functional as TF
 
 from lpa3_lightning.core.arguments import check_int
 from lpa3_lightning.data.indexed import IndexedDataset
-from lpa3_lightning.data.train_loader import train_loader
+from lpa3_lightning.data.sampling import train_loader
 
 __all__ = ["NORMALIZATIONS", "ImageFolderDataModule", "is_single_channel", "load_image"]
 
-#: The named normalisations: ``symmetric`` maps [0, 1] pixels to [-1, 1] (MedMNIST's), ``unit``
-#: keeps them in [0, 1], ``imagenet`` is torchvision's pretrained weights' (3 channels).
+#: ``symmetric`` (0.5 and 0.5 per channel: [-1, 1]), ``unit`` (0 and 1), ``imagenet`` (3 channels).
 NORMALIZATIONS: dict[str, dict[str, list[float]] | None] = {
-    "symmetric": None,  # (0.5 and 0.5 per channel)
-    "unit": None,  # (0 and 1 per channel)
-    "imagenet": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
-}
-
+    "symmetric": None, "unit": None, "imagenet": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}
 #: PIL modes of one channel (8-bit, 1-bit, with alpha, 16-bit, 32-bit).
 SINGLE_CHANNEL_MODES = frozenset({"1", "L", "LA", "La", "I", "F", "I;16", "I;16B", "I;16L", "I;16N"})
 _SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
-
 SPLITS = ("train", "val", "test")
 
 
 def is_single_channel(image: Image.Image) -> bool:
-    """Whether a PIL image holds one channel: a grey mode (:data:`SINGLE_CHANNEL_MODES`), or a palette
-    image whose palette colours are all grey. A colour mode counts as colour even where every pixel is
-    grey (the rule reads the file's mode, not its pixels)."""
+    """Whether a PIL image's mode holds one channel (:data:`SINGLE_CHANNEL_MODES`, or a palette of greys only)."""
     if image.mode in SINGLE_CHANNEL_MODES:
         return True
     if image.mode == "P":
@@ -59,19 +43,14 @@ def is_single_channel(image: Image.Image) -> bool:
 
 
 def load_image(path: str, channels: int) -> Tensor:
-    """One image file as a float ``(channels, h, w)`` tensor in [0, 1].
-
-    8-bit images are converted by PIL (to ``L``, luminance, for one channel; to ``RGB`` for three, a
-    grey image repeated and an alpha channel dropped); a 16-bit grey PNG is divided by 65535 (a
-    conversion to 8 bits would clip it at 255), and repeated for three channels.
+    """One image file as a float ``(channels, h, w)`` tensor in [0, 1] (16-bit grey divided by 65535).
 
     Raises:
-        ValueError: for a 32-bit image (``I`` or ``F``), whose range is unknown, naming the file and the fix.
+        ValueError: for a 32-bit image, whose range is unknown, naming the file and the fix.
     """
     with Image.open(path) as image:
         if image.mode in _SIXTEEN_BIT:
-            pixels = np.asarray(image).astype(np.float32) / 65535.0
-            x = torch.from_numpy(pixels)[None]
+            x = torch.from_numpy(np.asarray(image).astype(np.float32) / 65535.0)[None]
             return x.repeat(3, 1, 1) if channels == 3 else x
         if image.mode in ("I", "F"):
             raise ValueError(f"{path} is a 32-bit {image.mode!r} image, whose pixel range is unknown. Fix: save it as "
@@ -80,9 +59,6 @@ def load_image(path: str, channels: int) -> Tensor:
 
 
 class _Folder(ImageFolder):
-    """``ImageFolder`` whose classes are given (a val or test folder takes the training folder's, so a
-    class missing there keeps every other class's index)."""
-
     def __init__(self, root: Path, classes: Sequence[str] | None, loader: Callable[[str], Any],
                  transform: Callable[[Any], Any] | None) -> None:
         self._given = list(classes) if classes is not None else None
@@ -101,98 +77,50 @@ class _Folder(ImageFolder):
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
-    """Your images in class sub-folders as ``(x, y, index)`` batches (LP-A3's TCS memory is keyed by ``index``).
+    """Your images in class sub-folders as ``(x, y, index)`` batches, and the facts LP-A3 and ``lpa3 show`` read.
 
-    Layouts (torchvision's ``ImageFolder`` underneath, classes sorted by folder name):
-
-    - ``root/train/<class>/*.png`` and, when present, ``root/val/<class>/...`` and
-      ``root/test/<class>/...`` (a split folder may lack a class; a class it has must be a training
-      one). A split without its folder is drawn from the training images by ``val_fraction`` /
-      ``test_fraction``.
-    - ``root/<class>/*.png`` (no ``train`` folder): train, val and test are drawn from it.
-
-    A drawn split is stratified (that fraction of every class, rounded) and seeded by ``split_seed``, so
-    every run, and ``lpa3 show``, gets the same one.
-
-    Channels: ``channels=None`` gives 1 when every training image's file holds one channel (a grey mode,
-    8- or 16-bit, or a grey palette; :func:`is_single_channel`), else 3 (grey images are then repeated
-    into three channels). ``channels=1`` turns colour images into luminance; ``channels=3`` repeats grey
-    ones. Images are ``(C, h, w)`` floats, from [0, 1] pixels (16-bit PNGs divided by 65535) normalised
-    by ``normalization``. Every image must have one size unless ``image_size`` resizes them.
-
-    Read by LP-A3, the model and ``lpa3 show`` (the contract of docs/configs-and-data.md):
-    :attr:`normalization` (the callback's ``input_range="auto"`` keeps ``x'`` in the pixel box),
-    :attr:`num_classes` and :attr:`in_channels` (the ready modules check theirs against them),
-    :attr:`class_names` (``lpa3 show`` prints them), :attr:`num_train`, and the arguments, saved by
-    ``save_hyperparameters()`` (``lpa3 show`` rebuilds the module from them).
+    Layouts: ``root/train/<class>/*.png`` with, when present, ``root/val/...`` and ``root/test/...`` (which may
+    lack a class, not add one); or ``root/<class>/*.png``. A split without a folder is drawn from the training
+    images, its fraction of every class, seeded by ``split_seed``.
 
     Args:
-        root: the folder (see the layouts).
-        channels: 1, 3, or None (from the training images, see above).
-        image_size: resize every image to ``image_size x image_size`` (an int) or ``[h, w]`` (bilinear,
-            antialiased); None: keep the files' size, which must then be one.
-        normalization: ``"symmetric"`` (mean 0.5, std 0.5 per channel: [-1, 1], MedMNIST's), ``"unit"``
-            (mean 0, std 1: [0, 1]), ``"imagenet"`` (torchvision's pretrained weights', 3 channels), or
-            ``{"mean": [...], "std": [...]}`` with one value per channel.
-        val_fraction: the share of each class's training images drawn as the validation split when there
-            is no ``val`` folder (0: no validation split).
-        test_fraction: the same for the test split when there is no ``test`` folder (0: none).
+        root: the folder.
+        channels: 1, 3, or None: 1 when every training file holds one channel (:func:`is_single_channel`).
+        image_size: resize to an int side or ``[h, w]``; None: all the images must have one size.
+        normalization: a name of :data:`NORMALIZATIONS` or ``{"mean": [...], "std": [...]}`` per channel.
+        val_fraction: the validation split's share of each class without a ``val`` folder (0: none).
+        test_fraction: the test split's share of each class without a ``test`` folder (0: none).
         split_seed: the seed of those draws.
         batch_size: training batch size.
         eval_batch_size: validation and test batch size; None: ``batch_size``.
         num_workers: loader worker processes.
         pin_memory: passed to every loader.
-        seed: the training loader's shuffle seed (a ``(seed, epoch)`` permutation, resumable mid-epoch:
-            :func:`~lpa3_lightning.data.train_loader.train_loader`).
+        seed: the training loader's shuffle seed.
 
     Raises:
-        FileNotFoundError: for a ``root`` that is not a folder (at construction) or holds no images.
-        ValueError: for an argument outside its range, images of several sizes without ``image_size``,
-            or a split folder with a class the training folder lacks, each naming the fix.
-
-    Example:
-        >>> import tempfile
-        >>> from PIL import Image
-        >>> root = Path(tempfile.mkdtemp())
-        >>> for name in ("cat", "dog"):
-        ...     (root / name).mkdir()
-        ...     for i in range(3):
-        ...         Image.new("L", (8, 8), 60 * i).save(root / name / f"{i}.png")
-        >>> data = ImageFolderDataModule(str(root), val_fraction=0.34, batch_size=2)
-        >>> data.class_names, data.num_classes, data.in_channels, data.normalization
-        (['cat', 'dog'], 2, 1, {'mean': [0.5], 'std': [0.5]})
-        >>> data.setup("fit")
-        >>> x, y, index = next(iter(data.train_dataloader()))
-        >>> tuple(x.shape), len(data.train_dataset), len(data.val_dataset)
-        ((2, 1, 8, 8), 4, 2)
+        FileNotFoundError: for a ``root`` that is not a folder, or holds no images.
+        ValueError: for an argument outside its range, images of several sizes, or an unknown class folder.
     """
 
-    def __init__(
-        self,
-        root: str,
-        channels: int | None = None,
-        image_size: int | list[int] | None = None,
-        normalization: str | dict[str, list[float]] = "symmetric",
-        val_fraction: float = 0.1,
-        test_fraction: float = 0.0,
-        split_seed: int = 0,
-        batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, root: str, channels: int | None = None, image_size: int | list[int] | None = None,
+                 normalization: str | dict[str, list[float]] = "symmetric", val_fraction: float = 0.1,
+                 test_fraction: float = 0.0, split_seed: int = 0, batch_size: int = 64,
+                 eval_batch_size: int | None = None, num_workers: int = 0, pin_memory: bool = False,
+                 seed: int = 0) -> None:
         super().__init__()
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
-            raise FileNotFoundError(
-                f"ImageFolderDataModule: `root` {self.root} is not a folder. Fix: pass root=<folder> holding one "
-                "sub-folder of images per class (root/<class>/*.png), or train/ (and val/, test/) sub-folders of "
-                "that layout.")
+            raise FileNotFoundError(f"ImageFolderDataModule: `root` {self.root} is not a folder. Fix: pass root= a "
+                                    "folder of one sub-folder of images per class (root/<class>/*.png), or train/ (and "
+                                    "val/, test/) sub-folders of that layout.")
         if channels is not None and (isinstance(channels, bool) or channels not in (1, 3)):
             raise ValueError(f"`channels` must be None (from the images), 1 or 3, got {channels!r}. Fix: pass 1 "
                              "(grey), 3 (colour) or None.")
-        self._size = _check_image_size(image_size)
+        pair = [image_size] * 2 if isinstance(image_size, int) and not isinstance(image_size, bool) else image_size
+        if pair is not None and (not isinstance(pair, (list, tuple)) or len(pair) != 2 or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in pair)):
+            raise ValueError(f"`image_size` must be an int >= 1 or [h, w], got {image_size!r}. Fix: e.g. 64.")
+        self._size = (int(pair[0]), int(pair[1])) if pair is not None else None
         if isinstance(normalization, str) and normalization not in NORMALIZATIONS:
             raise ValueError(f"`normalization` must be one of {sorted(NORMALIZATIONS)} or {{'mean': [...], 'std': "
                              f"[...]}}, got {normalization!r}. Fix: use 'symmetric' ([-1, 1]).")
@@ -222,7 +150,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self._in_channels: int | None = None
         self._checked = False
 
-    # ------------------------------------------------------------------ what LP-A3 reads
     @property
     def split_folders(self) -> dict[str, Path | None]:
         """Each split's own folder (None: drawn from the training images)."""
@@ -237,35 +164,28 @@ class ImageFolderDataModule(pl.LightningDataModule):
             folder = self.split_folders["train"]
             self._classes = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())  # type: ignore
             if len(self._classes) < 2:
-                raise FileNotFoundError(
-                    f"{folder} holds {len(self._classes)} class folder(s) ({self._classes}); classification needs 2 "
-                    "or more. Fix: put each class's images in a sub-folder of its own (root/<class>/*.png).")
+                raise FileNotFoundError(f"{folder} holds {len(self._classes)} class folder(s) ({self._classes}); "
+                                        "classification needs 2 or more. Fix: put each class's images in a sub-folder "
+                                        "of its own (root/<class>/*.png).")
         return self._classes
 
     @property
     def num_classes(self) -> int:
-        """Classes (the training folder's class folders)."""
         return len(self.class_names)
 
     @property
     def in_channels(self) -> int:
-        """Image channels: ``channels``, or 1 when every training image holds one (see the class docstring)."""
         if self._in_channels is None:
-            if self.channels is not None:
-                self._in_channels = self.channels
-            else:
-                files = self._files("train")
-                self._in_channels = 1 if all(_single_channel_file(path) for path in files) else 3
+            self._in_channels = self.channels if self.channels is not None else \
+                1 if all(_single_channel_file(path) for path in self._files("train")) else 3
         return self._in_channels
 
     @property
     def normalization(self) -> dict[str, list[float]]:
-        """Per-channel ``{"mean": [...], "std": [...]}`` of the inputs (their pixels in [0, 1] before it)."""
         setting, c = self.normalization_setting, self.in_channels
-        if setting == "symmetric":
-            return {"mean": [0.5] * c, "std": [0.5] * c}
-        if setting == "unit":
-            return {"mean": [0.0] * c, "std": [1.0] * c}
+        if setting in ("symmetric", "unit"):
+            mean, std = (0.5, 0.5) if setting == "symmetric" else (0.0, 1.0)
+            return {"mean": [mean] * c, "std": [std] * c}
         if setting == "imagenet":
             if c != 3:
                 raise ValueError(f"`normalization='imagenet'` is for 3 channels, and the images have {c}. Fix: pass "
@@ -274,8 +194,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
             return {key: list(values) for key, values in NORMALIZATIONS["imagenet"].items()}  # type: ignore
         mean, std = list(setting.get("mean", [])), list(setting.get("std", []))  # type: ignore[union-attr]
         if len(mean) != c or len(std) != c or any(not s > 0 for s in std):
-            raise ValueError(f"`normalization` {dict(setting)!r} must give one mean and one std > 0 per channel "  # type: ignore
-                             f"({c} channels). Fix: e.g. {{'mean': {[0.5] * c}, 'std': {[0.5] * c}}}, or 'symmetric'.")
+            raise ValueError(f"`normalization` {dict(setting)!r} must give one mean and one std > 0 "  # type: ignore
+                             f"per channel ({c} channels). Fix: e.g. {{'mean': {[0.5] * c}, 'std': {[0.5] * c}}}, or "
+                             "'symmetric'.")
         return {"mean": [float(m) for m in mean], "std": [float(s) for s in std]}
 
     @property
@@ -285,10 +206,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self.setup("fit")
         return len(self.train_dataset)  # type: ignore[arg-type]
 
-    # ------------------------------------------------------------------ transforms
     def train_transform(self) -> Callable[[Tensor], Tensor]:
-        """The training images' transform (a ``(C, h, w)`` [0, 1] tensor in): resize and normalise.
-        Override it to add an augmentation (on the tensor)."""
+        """The training images' transform, on a ``(C, h, w)`` tensor (override it to augment)."""
         return self.eval_transform()
 
     def eval_transform(self) -> Callable[[Tensor], Tensor]:
@@ -296,9 +215,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         norm = self.normalization
         return functools.partial(_resize_normalize, size=self._size, mean=norm["mean"], std=norm["std"])
 
-    # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str | None = None) -> None:
-        """Builds the splits ``stage`` needs (``fit``/``validate``: train and val; ``test``/``predict``: test)."""
+        """Build the splits ``stage`` needs (``fit``/``validate``: train and val; ``test``/``predict``: test)."""
         if stage not in (None, "fit", "validate", "test", "predict"):
             raise ValueError(f"stage must be None, 'fit', 'validate', 'test' or 'predict', got {stage!r}.")
         self._check_files()
@@ -325,23 +243,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self._require("test"))
 
-    # ------------------------------------------------------------------ helpers
     def _files(self, split: str) -> list[str]:
-        """The image files of a split's own folder (the training folder for train), in ImageFolder's order."""
         folder = self.split_folders[split]
         if folder is None:
             return []
-        files = []
-        for name in self.class_names:
-            directory = folder / name
-            if directory.is_dir():
-                files += sorted(str(p) for p in directory.rglob("*")
-                                if p.is_file() and has_file_allowed_extension(p.name, IMG_EXTENSIONS))
-        return files
+        return [path for name in self.class_names if (folder / name).is_dir()
+                for path in sorted(str(p) for p in (folder / name).rglob("*")
+                                   if p.is_file() and has_file_allowed_extension(p.name, IMG_EXTENSIONS))]
 
     def _check_files(self) -> None:
-        """Once: the training folder holds images of every class, and every image has one size (without
-        ``image_size``); the file headers only are read."""
         if self._checked:
             return
         train = self.split_folders["train"]
@@ -376,9 +286,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return IndexedDataset(Subset(whole, self._drawn(whole.targets)[split]))
 
     def _drawn(self, targets: Sequence[int]) -> dict[str, list[int]]:
-        """The positions of the training folder's images in each split: per class, a seeded permutation, its
-        first ``round(val_fraction * n)`` for val, the next ``round(test_fraction * n)`` for test (for the
-        splits without a folder of their own), the rest for training."""
+        """Per class a seeded permutation's first ``round(val * n)`` for val, next ``round(test * n)`` for test."""
         folders = self.split_folders
         val = self.val_fraction if folders["val"] is None else 0.0
         test = self.test_fraction if folders["test"] is None else 0.0
@@ -414,16 +322,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
 def _single_channel_file(path: str) -> bool:
     with Image.open(path) as image:
         return is_single_channel(image)
-
-
-def _check_image_size(size: Any) -> tuple[int, int] | None:
-    if size is None:
-        return None
-    pair = [size, size] if isinstance(size, int) and not isinstance(size, bool) else size
-    if (not isinstance(pair, (list, tuple)) or len(pair) != 2
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in pair)):
-        raise ValueError(f"`image_size` must be an int >= 1 or [h, w], got {size!r}. Fix: e.g. image_size=64.")
-    return int(pair[0]), int(pair[1])
 
 
 def _resize_normalize(x: Tensor, size: tuple[int, int] | None, mean: list[float], std: list[float]) -> Tensor:

@@ -1,34 +1,6 @@
-"""Synthetic label noise for noisy-label training, seeded and kept in a file.
-
-Two kinds, as in the noisy-label literature:
-
-- **symmetric**: a share ``rate`` of the training set, drawn at random, gets a random label.
-  The papers use two conventions, and both are here (``convention``):
-
-  - ``"other"`` (default): the new label is drawn among the *other* classes, so exactly
-    ``round(rate * N)`` labels are wrong. This is what "80% noise" reads as.
-  - ``"any"``: the new label is drawn among *all* classes, so about ``rate / C`` of the drawn
-    samples keep their true label and the share of wrong labels is ``rate * (1 - 1/C)``. This
-    is DivideMix's public code (Li et al., ICLR 2020; ``dataloader_cifar.py`` re-draws with a
-    ``randint`` over all classes), which the LP-A3 paper's DivideMix rows follow.
-
-- **asymmetric**: class-dependent flips between similar classes. For every source class of
-  ``mapping``, ``round(rate * n_c)`` of its samples, drawn at random, take the target class;
-  the other classes stay clean (so the overall share of wrong labels is ``rate`` times the
-  share of the mapped classes). Built-in mappings (:data:`ASYMMETRIC_MAPPINGS`):
-
-  - ``"cifar10"``: truck -> automobile, bird -> airplane, deer -> horse, cat <-> dog (Patrini
-    et al., CVPR 2017; DivideMix's 40% asymmetric row);
-  - ``"digits"``: 2 -> 7, 3 -> 8, 5 <-> 6, 7 -> 1 (the MNIST mapping of Ma et al., ICML 2020,
-    "Normalized loss functions");
-  - ``"binary"``: class 1 -> class 0 (for a two-class set, e.g. PneumoniaMNIST's pneumonia
-    labelled normal); a symmetric ``"other"`` noise on two classes flips both ways instead.
-
-:func:`noisy_labels` draws them from a ``numpy.random.default_rng(seed)``; :func:`save_noisy_labels`
-and :func:`load_noisy_labels` keep them in a small JSON file with a fingerprint of the clean
-labels, so a run is repeated on the same noise (and a file made for another data set is
-refused). The clean labels stay with the evaluation code; only the noisy ones are trained on.
-"""
+"""Synthetic label noise, seeded and kept in a file with the clean labels' fingerprint. Symmetric: a share
+``rate`` of the samples gets a random label of the other classes (``convention="other"``) or of all of them
+(``"any"``, DivideMix's). Asymmetric: that share of each source class of ``mapping`` takes its target."""
 
 from __future__ import annotations
 
@@ -44,78 +16,36 @@ import torch
 
 from lpa3_lightning.data.label_split import write_json_atomically
 
-__all__ = [
-    "ASYMMETRIC_MAPPINGS",
-    "clean_labels_fingerprint",
-    "load_noisy_labels",
-    "noisy_labels",
-    "save_noisy_labels",
-]
+__all__ = ["ASYMMETRIC_MAPPINGS", "clean_labels_fingerprint", "load_noisy_labels", "noisy_labels", "save_noisy_labels"]
 
 NoiseMode = Literal["symmetric", "asymmetric"]
 
-ASYMMETRIC_MAPPINGS: dict[str, dict[int, int]] = {
-    # CIFAR-10 classes: 0 airplane, 1 automobile, 2 bird, 3 cat, 4 deer, 5 dog, 7 horse, 9 truck
-    "cifar10": {9: 1, 2: 0, 4: 7, 3: 5, 5: 3},
-    "digits": {2: 7, 3: 8, 5: 6, 6: 5, 7: 1},
-    "binary": {1: 0},
-}
-
-_FORMAT = "lpa3-noisy-labels"
-_VERSION = 1
-
-
-def _as_numpy_labels(labels: np.ndarray | torch.Tensor, num_classes: int) -> np.ndarray:
-    arr = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"`labels` must be a 1-D integer array of class indices, got {arr.dtype} of shape "
-                         f"{arr.shape}. Fix: pass the training set's labels, e.g. dataset.targets.")
-    if arr.size and (arr.min() < 0 or arr.max() >= num_classes):
-        raise ValueError(f"`labels` holds values in [{arr.min()}, {arr.max()}] for num_classes={num_classes}. "
-                         f"Fix: pass class indices 0..{num_classes - 1} and the data set's number of classes.")
-    return arr.astype(np.int64)
-
-
-def _resolve_mapping(mapping: str | Mapping[int, int], num_classes: int) -> dict[int, int]:
-    if isinstance(mapping, str):
-        if mapping not in ASYMMETRIC_MAPPINGS:
-            raise ValueError(f"`mapping` must be one of {sorted(ASYMMETRIC_MAPPINGS)} or a dict {{source: target}}, "
-                             f"got {mapping!r}. Fix: e.g. mapping='digits' for MNIST, 'binary' for two classes.")
-        mapping = ASYMMETRIC_MAPPINGS[mapping]
-    out = {int(k): int(v) for k, v in dict(mapping).items()}
-    for source, target in out.items():
-        if not (0 <= source < num_classes and 0 <= target < num_classes) or source == target:
-            raise ValueError(f"`mapping` {source} -> {target} does not fit {num_classes} classes (or maps a class "
-                             "to itself). Fix: use a mapping made for this data set's classes.")
-    return out
+#: truck -> automobile, bird -> airplane, deer -> horse, cat <-> dog; 2 -> 7, 3 -> 8, 5 <-> 6, 7 -> 1; 1 -> 0
+ASYMMETRIC_MAPPINGS: dict[str, dict[int, int]] = {"cifar10": {9: 1, 2: 0, 4: 7, 3: 5, 5: 3},
+                                                  "digits": {2: 7, 3: 8, 5: 6, 6: 5, 7: 1}, "binary": {1: 0}}
+_FORMAT, _VERSION = "lpa3-noisy-labels", 1
 
 
 def noisy_labels(labels: np.ndarray | torch.Tensor, rate: float, num_classes: int, seed: int,
                  mode: NoiseMode = "symmetric", convention: Literal["other", "any"] = "other",
                  mapping: str | Mapping[int, int] = "digits") -> np.ndarray:
-    """Noisy copy of ``labels`` (the input is not changed).
+    """Noisy copy of ``labels`` (``(N,)`` ``int64``), drawn by ``numpy.random.default_rng(seed)``.
 
     Args:
-        labels: ``(N,)`` clean class indices of the training set.
-        rate: share of samples drawn for noise, in ``[0, 1]`` (see the module docstring for
-            what it means under each mode and convention).
+        labels: ``(N,)`` clean class indices.
+        rate: share of samples drawn for noise, in ``[0, 1]``.
         num_classes: number of classes.
-        seed: seed of the ``numpy.random.default_rng`` that draws the samples and labels.
+        seed: the generator's seed.
         mode: ``"symmetric"`` or ``"asymmetric"``.
-        convention: symmetric only: ``"other"`` (always a wrong label) or ``"any"``
-            (DivideMix's: a uniform label over all classes).
+        convention: symmetric only: ``"other"`` or ``"any"``.
         mapping: asymmetric only: a name in :data:`ASYMMETRIC_MAPPINGS` or ``{source: target}``.
-
-    Returns:
-        ``(N,)`` ``int64`` noisy labels.
 
     Raises:
         ValueError: on a bad argument, naming it and the fix.
 
     Example:
         >>> clean = np.repeat(np.arange(10), 100)
-        >>> noisy = noisy_labels(clean, rate=0.8, num_classes=10, seed=0)
-        >>> float((noisy != clean).mean())
+        >>> float((noisy_labels(clean, rate=0.8, num_classes=10, seed=0) != clean).mean())
         0.8
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= float(rate) <= 1.0:
@@ -127,8 +57,14 @@ def noisy_labels(labels: np.ndarray | torch.Tensor, rate: float, num_classes: in
     if convention not in ("other", "any"):
         raise ValueError(f"`convention` must be 'other' (always a wrong label) or 'any' (DivideMix's uniform "
                          f"re-draw), got {convention!r}.")
-    clean = _as_numpy_labels(labels, num_classes)
-    rng = np.random.default_rng(seed)
+    arr = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"`labels` must be a 1-D integer array of class indices, got {arr.dtype} of shape "
+                         f"{arr.shape}. Fix: pass the training set's labels, e.g. dataset.targets.")
+    if arr.size and (arr.min() < 0 or arr.max() >= num_classes):
+        raise ValueError(f"`labels` holds values in [{arr.min()}, {arr.max()}] for num_classes={num_classes}. "
+                         f"Fix: pass class indices 0..{num_classes - 1} and the data set's number of classes.")
+    clean, rng = arr.astype(np.int64), np.random.default_rng(seed)
     noisy = clean.copy()
     if mode == "symmetric":
         chosen = rng.permutation(clean.size)[: int(round(float(rate) * clean.size))]
@@ -138,7 +74,17 @@ def noisy_labels(labels: np.ndarray | torch.Tensor, rate: float, num_classes: in
             # an offset in 1..C-1 added modulo C is a uniform draw among the other classes
             noisy[chosen] = (clean[chosen] + rng.integers(1, num_classes, size=chosen.size)) % num_classes
         return noisy
-    for source, target in sorted(_resolve_mapping(mapping, num_classes).items()):
+    if isinstance(mapping, str):
+        if mapping not in ASYMMETRIC_MAPPINGS:
+            raise ValueError(f"`mapping` must be one of {sorted(ASYMMETRIC_MAPPINGS)} or a dict {{source: target}}, "
+                             f"got {mapping!r}. Fix: e.g. mapping='digits' for MNIST, 'binary' for two classes.")
+        mapping = ASYMMETRIC_MAPPINGS[mapping]
+    pairs = {int(k): int(v) for k, v in dict(mapping).items()}
+    for source, target in pairs.items():
+        if not (0 <= source < num_classes and 0 <= target < num_classes) or source == target:
+            raise ValueError(f"`mapping` {source} -> {target} does not fit {num_classes} classes (or maps a class "
+                             "to itself). Fix: use a mapping made for this data set's classes.")
+    for source, target in sorted(pairs.items()):
         members = np.flatnonzero(clean == source)
         chosen = rng.permutation(members)[: int(round(float(rate) * members.size))]
         noisy[chosen] = target  # drawn from the clean labels, so 5 <-> 6 swaps do not chain
@@ -153,25 +99,10 @@ def clean_labels_fingerprint(labels: np.ndarray | torch.Tensor) -> str:
 
 def save_noisy_labels(path: str | os.PathLike, noisy: np.ndarray | torch.Tensor, clean: np.ndarray | torch.Tensor,
                       meta: Mapping[str, Any]) -> Path:
-    """Write noisy labels to a JSON file (atomically), with the clean labels' fingerprint.
+    """Write ``noisy`` labels and the fingerprint of their ``clean`` ones to a JSON file; returns the path.
 
-    Args:
-        path: file to write; missing parent folders are created.
-        noisy: ``(N,)`` noisy labels, as :func:`noisy_labels` returns them.
-        clean: ``(N,)`` clean labels they were made from (only their fingerprint is stored).
-        meta: JSON facts about the noise, by convention ``source``, ``mode``, ``rate``,
-            ``seed``, ``convention`` / ``mapping`` (what :func:`load_noisy_labels` can check).
-
-    Returns:
-        The path written.
-
-    Example:
-        >>> import tempfile
-        >>> f = Path(tempfile.mkdtemp()) / "noise.json"
-        >>> clean = np.array([0, 1, 1, 0])
-        >>> _ = save_noisy_labels(f, np.array([1, 1, 0, 0]), clean, {"rate": 0.5})
-        >>> load_noisy_labels(f, clean)[0].tolist()
-        [1, 1, 0, 0]
+    Raises:
+        ValueError: for label arrays of other shapes, or a ``meta`` JSON cannot store.
     """
     noisy_arr = np.asarray(noisy.detach().cpu() if isinstance(noisy, torch.Tensor) else noisy)
     clean_arr = np.asarray(clean.detach().cpu() if isinstance(clean, torch.Tensor) else clean)
@@ -185,20 +116,14 @@ def save_noisy_labels(path: str | os.PathLike, noisy: np.ndarray | torch.Tensor,
 
 def load_noisy_labels(path: str | os.PathLike, clean: np.ndarray | torch.Tensor,
                       expected: Mapping[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """Read noisy labels written by :func:`save_noisy_labels` for these clean labels.
-
-    Args:
-        path: the JSON file.
-        clean: the training set's clean labels; the file must have been made from them.
-        expected: meta entries the file must carry with these values (e.g. ``rate``, ``mode``).
+    """Read noisy labels written by :func:`save_noisy_labels` for these ``clean`` labels.
 
     Returns:
         ``(noisy, meta)``: ``(N,)`` ``int64`` labels and the file's meta dict.
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: if it is not a noisy-label file, was made for other clean labels, or its
-            meta disagrees with ``expected`` (each message names the path and the fix).
+        ValueError: for another kind of file, other clean labels, or a meta unlike ``expected``, naming the fix.
     """
     path = Path(path).expanduser()
     if not path.is_file():

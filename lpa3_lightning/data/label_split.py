@@ -1,9 +1,4 @@
-"""The labeled subset of a semi-supervised run: drawn equally from every class, kept in a file.
-
-:func:`stratified_label_split` draws it from a seed; :func:`save_label_split` and
-:func:`load_label_split` keep it in a small JSON file, so a run can be repeated, or another
-method compared, on the same labels.
-"""
+"""The labeled subset of a semi-supervised run: equal in every class, drawn from a seed, kept in a JSON file."""
 
 from __future__ import annotations
 
@@ -16,24 +11,22 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["check_int", "check_num_labels", "load_label_split", "save_label_split", "stratified_label_split"]
+__all__ = ["check_int", "check_num_labels", "load_label_split", "save_label_split", "stratified_label_split",
+           "write_json_atomically"]
 
-_SPLIT_FORMAT = "lpa3-label-split"
-_SPLIT_VERSION = 1
+_SPLIT_FORMAT, _SPLIT_VERSION = "lpa3-label-split", 1
 
 
-# ----------------------------------------------------------------------------------------
-# Argument checks
-# ----------------------------------------------------------------------------------------
 def check_int(name: str, value: Any, minimum: int, fix: str) -> None:
-    # bool is an int subclass; True as a count is a bug, not a 1.
+    """Refuse anything but an integer (numpy's too; not a bool) >= ``minimum`` (ValueError naming ``fix``)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}. Fix: {fix}")
 
 
 def check_num_labels(num_labels: Any, num_classes: int) -> None:
+    """Refuse a ``num_labels`` that is not a positive multiple of ``num_classes`` (ValueError naming the nearest)."""
     check_int("num_labels", num_labels, 1, f"pass a positive multiple of the {num_classes} classes, e.g. "
-               f"num_labels={4 * num_classes} (4 labels per class).")
+              f"num_labels={4 * num_classes} (4 labels per class).")
     if num_labels < num_classes or num_labels % num_classes:
         lower = (num_labels // num_classes) * num_classes
         options = [n for n in (lower, lower + num_classes) if n >= num_classes]
@@ -41,40 +34,23 @@ def check_num_labels(num_labels: Any, num_classes: int) -> None:
             f"`num_labels` must be a multiple of the number of classes ({num_classes}) and at least "
             f"{num_classes}: the labeled subset takes num_labels / num_classes images of every class "
             f"(FixMatch's convention), got num_labels={num_labels}. "
-            f"Fix: pass num_labels={' or '.join(str(n) for n in options)}."
-        )
+            f"Fix: pass num_labels={' or '.join(str(n) for n in options)}.")
 
 
-# ----------------------------------------------------------------------------------------
-# Label split
-# ----------------------------------------------------------------------------------------
 def stratified_label_split(labels: np.ndarray | torch.Tensor, num_labels: int, num_classes: int,
                            seed: int) -> np.ndarray:
-    """Dataset indices of a labeled subset with the same number of samples in every class.
-
-    Every class gives ``num_labels // num_classes`` samples, drawn without replacement by a
-    ``numpy.random.default_rng(seed)`` generator (classes in order 0, 1, ...), so the same
-    labels, sizes and seed always give the same subset.
+    """Sorted ``int64`` positions of ``num_labels // num_classes`` samples of every class, drawn without
+    replacement by ``numpy.random.default_rng(seed)``, classes in order.
 
     Args:
-        labels: ``(N,)`` integer class labels in ``[0, num_classes)`` of the whole training set.
-        num_labels: size of the subset; a multiple of ``num_classes``, at least ``num_classes``.
+        labels: ``(N,)`` integer class labels in ``[0, num_classes)``.
+        num_labels: size of the subset, a multiple of ``num_classes``.
         num_classes: number of classes.
-        seed: non-negative seed of the draw.
-
-    Returns:
-        Sorted ``int64`` array of ``num_labels`` distinct positions in ``labels``.
+        seed: non-negative seed.
 
     Raises:
-        ValueError: if ``num_labels`` is not a positive multiple of ``num_classes``, a class has
-            fewer samples than its share, ``labels`` is not 1-D integer data in range, or
-            ``seed`` is negative.
-
-    Example:
-        >>> y = np.repeat(np.arange(3), 5)
-        >>> idx = stratified_label_split(y, num_labels=6, num_classes=3, seed=0)
-        >>> np.bincount(y[idx]).tolist()
-        [2, 2, 2]
+        ValueError: for ``num_labels`` not a multiple of ``num_classes``, a class with fewer samples than its
+            share, labels that are not 1-D integers in range, or a negative seed.
     """
     y = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
     if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.size == 0):
@@ -90,52 +66,18 @@ def stratified_label_split(labels: np.ndarray | torch.Tensor, num_labels: int, n
     counts = np.bincount(y, minlength=num_classes)
     if counts.min() < per_class:
         poorest = int(counts.argmin())
-        raise ValueError(
-            f"`num_labels`={num_labels} needs {per_class} samples of every class, but class {poorest} has only "
-            f"{counts[poorest]}. Fix: pass num_labels <= {int(counts.min()) * num_classes}."
-        )
+        raise ValueError(f"`num_labels`={num_labels} needs {per_class} samples of every class, but class {poorest} has "
+                         f"only {counts[poorest]}. Fix: pass num_labels <= {int(counts.min()) * num_classes}.")
     rng = np.random.default_rng(seed)
     chosen = [rng.choice(np.flatnonzero(y == c), size=per_class, replace=False) for c in range(num_classes)]
     return np.sort(np.concatenate(chosen)).astype(np.int64)
 
 
-def save_label_split(path: str | os.PathLike, indices: np.ndarray | Sequence[int],
-                     meta: Mapping[str, Any]) -> Path:
-    """Writes a labeled subset to a small JSON file (atomically: a reader never sees half a file).
-
-    Args:
-        path: file to write; missing parent folders are created.
-        indices: positions of the labeled samples in the training set.
-        meta: JSON-serialisable facts about the split, by convention ``source``, ``num_labels``,
-            ``seed``, ``dataset_size`` and ``num_classes`` (what :func:`load_label_split` can check).
-
-    Returns:
-        The path written.
-
-    Raises:
-        ValueError: if ``indices`` are not non-negative integers, or ``meta`` does not serialise.
-
-    Example:
-        >>> import tempfile
-        >>> f = Path(tempfile.mkdtemp()) / "split.json"
-        >>> _ = save_label_split(f, [3, 1], {"source": "mnist5k", "dataset_size": 4000})
-        >>> load_label_split(f)[0].tolist()
-        [1, 3]
-    """
-    idx = np.asarray(indices)
-    if idx.ndim != 1 or (idx.size and (not np.issubdtype(idx.dtype, np.integer) or idx.min() < 0)):
-        raise ValueError(f"`indices` must be a 1-D sequence of non-negative integers, got {idx.dtype} of shape "
-                         f"{idx.shape}. Fix: pass the positions returned by stratified_label_split.")
-    payload = {"format": _SPLIT_FORMAT, "version": _SPLIT_VERSION, "meta": dict(meta),
-               "indices": sorted(int(i) for i in idx)}
-    return write_json_atomically(path, payload, indent=1)
-
-
 def write_json_atomically(path: str | os.PathLike, payload: Mapping[str, Any], indent: int | None = None) -> Path:
-    """Write ``payload`` as JSON through a temporary file and a rename (a reader never sees half a file).
+    """Write ``payload`` as JSON by a temporary file and a rename, creating missing folders; returns the path.
 
     Raises:
-        ValueError: if the payload's ``meta`` holds values JSON cannot store, naming the fix.
+        ValueError: if the payload's ``meta`` holds values JSON cannot store.
     """
     try:
         text = json.dumps(payload, indent=indent)
@@ -150,22 +92,31 @@ def write_json_atomically(path: str | os.PathLike, payload: Mapping[str, Any], i
     return path
 
 
+def save_label_split(path: str | os.PathLike, indices: np.ndarray | Sequence[int], meta: Mapping[str, Any]) -> Path:
+    """Write the ``indices`` of a labeled subset and its ``meta`` to a JSON file (atomically); returns the path.
+
+    Raises:
+        ValueError: if ``indices`` are not non-negative integers, or ``meta`` does not serialise.
+    """
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and (not np.issubdtype(idx.dtype, np.integer) or idx.min() < 0)):
+        raise ValueError(f"`indices` must be a 1-D sequence of non-negative integers, got {idx.dtype} of shape "
+                         f"{idx.shape}. Fix: pass the positions returned by stratified_label_split.")
+    payload = {"format": _SPLIT_FORMAT, "version": _SPLIT_VERSION, "meta": dict(meta),
+               "indices": sorted(int(i) for i in idx)}
+    return write_json_atomically(path, payload, indent=1)
+
+
 def load_label_split(path: str | os.PathLike,
                      expected: Mapping[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """Reads a labeled subset written by :func:`save_label_split`.
-
-    Args:
-        path: the JSON file.
-        expected: meta entries the file must carry with these values (e.g. ``source`` and
-            ``dataset_size``), so that a split of another data set is never applied silently.
+    """Read a labeled subset written by :func:`save_label_split`, its meta matching ``expected``.
 
     Returns:
         ``(indices, meta)``: the sorted ``int64`` positions and the file's meta dict.
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: if it is not a label-split file, its meta disagrees with ``expected``, or
-            its indices do not fit its ``dataset_size`` (each message names the path and the fix).
+        ValueError: for another kind of file, another meta, or indices past ``dataset_size``, naming the fix.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -186,11 +137,9 @@ def load_label_split(path: str | os.PathLike,
     meta: dict[str, Any] = payload["meta"]
     for key, want in (expected or {}).items():
         if meta.get(key) != want:
-            raise ValueError(
-                f"Label split file {path} was written for {key}={meta.get(key)!r}, not {key}={want!r} "
-                f"(file: source={meta.get('source')!r}, dataset_size={meta.get('dataset_size')!r}, "
-                f"num_labels={meta.get('num_labels')!r}). {fix_other}"
-            )
+            raise ValueError(f"Label split file {path} was written for {key}={meta.get(key)!r}, not {key}={want!r} "
+                             f"(file: source={meta.get('source')!r}, dataset_size={meta.get('dataset_size')!r}, "
+                             f"num_labels={meta.get('num_labels')!r}). {fix_other}")
     raw = payload["indices"]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in raw):
         raise ValueError(f"{path}: 'indices' must be non-negative integers. {fix_other}")
@@ -201,3 +150,4 @@ def load_label_split(path: str | os.PathLike,
     if isinstance(size, int) and indices.size and indices[-1] >= size:
         raise ValueError(f"{path}: index {int(indices[-1])} is out of range for dataset_size={size}. {fix_other}")
     return indices, meta
+

@@ -1,11 +1,4 @@
-"""Training data with synthetic label noise for PES / DivideMix: two augmented views, the noisy label, the index.
-
-The images come from the same sources as :class:`~lpa3_lightning.data.SemiSupervisedDataModule`
-(MNIST-5k shipped in the package, 2D MedMNIST flags, CIFAR-10/100 through torchvision); the
-noise from :mod:`lpa3_lightning.data.label_noise`, drawn from ``seed`` or read from ``noise_file``.
-The clean training labels stay in the data module (:attr:`NoisyLabelDataModule.clean_train_labels`,
-for measuring the noise and the split) and never reach a training batch.
-"""
+"""Training data with synthetic label noise for PES and DivideMix: two views, the noisy label, the index."""
 
 from __future__ import annotations
 
@@ -21,14 +14,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lpa3_lightning.data.indexed import dataset_position, require_built
 from lpa3_lightning.data.label_noise import ASYMMETRIC_MAPPINGS, load_noisy_labels, noisy_labels, save_noisy_labels
 from lpa3_lightning.data.label_split import check_int
-from lpa3_lightning.data.semi_supervised import SEMI_SUPERVISED_SOURCES, SemiSupervisedDataModule
-from lpa3_lightning.data.split_batches import SplitBalancedSampler
-from lpa3_lightning.data.ssl_datasets import ImageArrays, dataset_position
-from lpa3_lightning.data.ssl_sources import source_facts, validate_source
+from lpa3_lightning.data.sampling import SplitBalancedSampler, train_loader
+from lpa3_lightning.data.semi_supervised import SemiSupervisedDataModule
+from lpa3_lightning.data.ssl_datasets import SEMI_SUPERVISED_SOURCES, ImageArrays, source_facts, validate_source
 from lpa3_lightning.data.ssl_transforms import PADDING_MODES
-from lpa3_lightning.data.train_loader import train_loader
 
 __all__ = ["NOISY_LABEL_SOURCES", "NoisyLabelDataModule", "TwoViewNoisyDataset"]
 
@@ -37,78 +29,54 @@ NOISY_LABEL_SOURCES: tuple[str, ...] = tuple(s for s in SEMI_SUPERVISED_SOURCES 
 
 
 class TwoViewNoisyDataset(Dataset):
-    """``(view1, view2, noisy_label, index)``: two independent draws of ``transform`` of each image."""
+    """``(view1, view2, noisy_label, index)``: two draws of ``transform`` of each image (ValueError for other sizes)."""
 
     def __init__(self, base: ImageArrays, labels: np.ndarray, transform: Callable[[Any], Any]) -> None:
         if len(labels) != len(base):
             raise ValueError(f"{len(labels)} noisy labels for {len(base)} images.")
-        self.base = base
-        self.labels = torch.as_tensor(np.asarray(labels, dtype=np.int64))
+        self.base, self.labels = base, torch.as_tensor(np.asarray(labels, dtype=np.int64))
         self.transform = transform
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, index: Any) -> tuple[Any, Any, torch.Tensor, int]:
-        position = dataset_position(index, len(self), "noisy-label data set")
+        position = dataset_position(index, len(self), "TwoViewNoisyDataset")
         image, _ = self.base[position]  # the clean label is dropped here
         return self.transform(image), self.transform(image), self.labels[position], position
 
 
 class NoisyLabelDataModule(pl.LightningDataModule):
-    """Noisy-label training batches ``(x_view1, x_view2, noisy_label, index)``; clean val/test batches.
+    """Noisy-label training batches ``(x_view1, x_view2, noisy_label, index)`` of
+    :class:`~lpa3_lightning.data.SemiSupervisedDataModule`'s sources, and clean val/test batches.
 
     Args:
-        source: ``"mnist5k"`` (shipped), a 2D MedMNIST flag, ``"cifar10"`` or ``"cifar100"``.
-        root: folder of the data files; None for the embedded folder (mnist5k, breastmnist).
-        noise_mode: ``"symmetric"`` or ``"asymmetric"`` (see :mod:`~lpa3_lightning.data.label_noise`).
+        source: ``"mnist5k"``, a 2D MedMNIST flag, ``"cifar10"`` or ``"cifar100"``.
+        root: folder of the data files; None: the embedded folder.
+        noise_mode: ``"symmetric"`` or ``"asymmetric"`` (:func:`~lpa3_lightning.data.noisy_labels`).
         noise_rate: share of the training set drawn for noise, in ``[0, 1]``.
-        noise_convention: symmetric: ``"other"`` (a wrong label) or ``"any"`` (DivideMix's uniform re-draw).
-        noise_mapping: asymmetric: a name in ``ASYMMETRIC_MAPPINGS`` or ``{source: target}``; None
-            for the source's (``cifar10`` for CIFAR-10, ``digits`` for MNIST-5k, ``binary`` for a
-            two-class set).
+        noise_convention: symmetric: ``"other"`` or ``"any"``.
+        noise_mapping: asymmetric: a name in ``ASYMMETRIC_MAPPINGS`` or ``{source: target}``; None: the source's.
         seed: seed of the noise.
-        noise_file: JSON file of the noisy labels: read when it exists (it must be for this
-            source's clean labels, mode and rate; ``seed`` is then not used, and a file drawn with
-            another seed is used with a warning), written when missing; None: drawn from ``seed``.
-        batch_size: training batch size; eval_batch_size: validation / test batch size.
+        noise_file: JSON file of the noisy labels, read when it exists, else written.
+        batch_size: training batch size.
+        eval_batch_size: validation / test batch size.
         num_workers: data loader worker processes.
-        download: download missing torchvision / MedMNIST files into ``root``.
+        download: download missing files into ``root``.
         flip: random horizontal flip in the training views; None: the source's default.
-        balance_split: once the module has split the set (PES, DivideMix: a module with
-            ``noisy_split_mask()``), draw each training batch with the method's labeled share
-            (:class:`~lpa3_lightning.data.split_batches.SplitBalancedSampler`, as the authors'
-            loaders do); False: shuffled passes over the whole set, the labeled share of a
-            batch following the set's.
-        crop_padding: padding of the training views' random crop: ``"zeros"`` (default, PES's
-            and DivideMix's ``RandomCrop(32, padding=4)``) or ``"reflect"`` (FixMatch's).
+        balance_split: once the module splits the set (``noisy_split_mask()``), batches of its labeled share.
+        crop_padding: the training views' crop padding, ``"zeros"`` or ``"reflect"``.
 
-    Example:
-        >>> dm = NoisyLabelDataModule("mnist5k", noise_rate=0.5, batch_size=8)
-        >>> dm.setup("fit")
-        >>> x1, x2, y, idx = next(iter(dm.train_dataloader()))
-        >>> tuple(x1.shape), round(float((dm.noisy_train_labels != dm.clean_train_labels).mean()), 2)
-        ((8, 1, 28, 28), 0.5)
+    Raises:
+        ValueError: for an argument outside its range; at ``setup``, for a ``noise_file`` of other labels or noise.
     """
 
-    def __init__(
-        self,
-        source: str = "mnist5k",
-        root: str | None = None,
-        noise_mode: Literal["symmetric", "asymmetric"] = "symmetric",
-        noise_rate: float = 0.5,
-        noise_convention: Literal["other", "any"] = "other",
-        noise_mapping: str | Mapping[int, int] | None = None,
-        seed: int = 0,
-        noise_file: str | None = None,
-        batch_size: int = 64,
-        eval_batch_size: int = 256,
-        num_workers: int = 0,
-        download: bool = False,
-        flip: bool | None = None,
-        balance_split: bool = True,
-        crop_padding: str = "zeros",
-    ) -> None:
+    def __init__(self, source: str = "mnist5k", root: str | None = None,
+                 noise_mode: Literal["symmetric", "asymmetric"] = "symmetric", noise_rate: float = 0.5,
+                 noise_convention: Literal["other", "any"] = "other",
+                 noise_mapping: str | Mapping[int, int] | None = None, seed: int = 0, noise_file: str | None = None,
+                 batch_size: int = 64, eval_batch_size: int = 256, num_workers: int = 0, download: bool = False,
+                 flip: bool | None = None, balance_split: bool = True, crop_padding: str = "zeros") -> None:
         super().__init__()
         if crop_padding not in PADDING_MODES:
             raise ValueError(f"`crop_padding` must be one of {sorted(PADDING_MODES)}, got {crop_padding!r}. Fix: use "
@@ -116,8 +84,8 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         if source == "stl10":
             raise ValueError("`source='stl10'` has no labels on most of its training images, so label noise does not "
                              "apply. Fix: use 'cifar10', 'cifar100', 'mnist5k' or a MedMNIST flag.")
-        # the image source: files, facts and views (its labeled split is never drawn here)
-        self._images = SemiSupervisedDataModule(source, root=root, num_labels=_facts_classes(source),
+        validate_source(source)  # (the image source: files, facts, views; its labeled split is never drawn)
+        self._images = SemiSupervisedDataModule(source, root=root, num_labels=source_facts(source)["num_classes"],
                                                 eval_batch_size=eval_batch_size, num_workers=num_workers,
                                                 download=download, flip=flip)
         check_int("seed", seed, 0, "pass a non-negative integer seed, e.g. 0.")
@@ -131,46 +99,26 @@ class NoisyLabelDataModule(pl.LightningDataModule):
             raise ValueError(f"`noise_mapping` is needed for asymmetric noise on {source!r} (no built-in mapping for "
                              f"its classes). Fix: pass noise_mapping={{source_class: target_class, ...}}, or one of "
                              f"{sorted(ASYMMETRIC_MAPPINGS)}.")
-        # argument checks of the noise itself, before any file is read
-        noisy_labels(np.zeros(1, dtype=np.int64), noise_rate, self._images.num_classes, seed, noise_mode,
+        noisy_labels(np.zeros(1, dtype=np.int64), noise_rate, self._images.num_classes, seed, noise_mode,  # (checks)
                      noise_convention, noise_mapping or "binary")
         self.save_hyperparameters()
-        self.source = source
-        self.noise_mode = noise_mode
-        self.noise_rate = float(noise_rate)
-        self.noise_convention = noise_convention
-        self.noise_mapping = noise_mapping
-        self.seed = int(seed)
+        self.source, self.noise_mode, self.noise_rate = source, noise_mode, float(noise_rate)
+        self.noise_convention, self.noise_mapping, self.seed = noise_convention, noise_mapping, int(seed)
         self.noise_file = Path(noise_file).expanduser() if noise_file is not None else None
-        self.batch_size = int(batch_size)
-        self.num_workers = int(num_workers)
+        self.batch_size, self.num_workers = int(batch_size), int(num_workers)
         if not isinstance(balance_split, bool):
             raise ValueError(f"`balance_split` must be True or False, got {balance_split!r}.")
-        self.balance_split = balance_split
-        self.crop_padding = crop_padding
+        self.balance_split, self.crop_padding = balance_split, crop_padding
         self.train_dataset: TwoViewNoisyDataset | None = None
         self.train_eval_dataset: TwoViewNoisyDataset | None = None  # the training set in the evaluation view
         self.clean_train_labels: np.ndarray | None = None
         self.noisy_train_labels: np.ndarray | None = None
 
-    # ------------------------------------------------------------------ facts
-    @property
-    def num_classes(self) -> int:
-        return self._images.num_classes
-
-    @property
-    def in_channels(self) -> int:
-        return self._images.in_channels
-
-    @property
-    def normalization(self) -> dict[str, list[float]]:
-        """Per-channel mean/std of the normalisation (LP-A3's callback reads it for the input box)."""
-        return self._images.normalization
-
-    @property
-    def num_train(self) -> int:
-        """Training set size (the split and the TCS memory are over it)."""
-        return self._images.num_unlabeled
+    # the image source's facts; num_train: the training set's size
+    num_classes = property(lambda self: self._images.num_classes)
+    in_channels = property(lambda self: self._images.in_channels)
+    normalization = property(lambda self: self._images.normalization)
+    num_train = property(lambda self: self._images.num_unlabeled)
 
     def _noise_meta(self) -> dict[str, Any]:
         mapping = self.noise_mapping if isinstance(self.noise_mapping, (str, type(None))) else \
@@ -179,16 +127,14 @@ class NoisyLabelDataModule(pl.LightningDataModule):
                 "convention": self.noise_convention if self.noise_mode == "symmetric" else None,
                 "mapping": mapping if self.noise_mode == "asymmetric" else None}
 
-    # ------------------------------------------------------------------ hooks
     def prepare_data(self) -> None:
         self._images.prepare_data()
 
     def setup(self, stage: str | None = None) -> None:
-        """Builds the noisy training set (``"fit"``/None) and the clean val/test splits."""
+        """Build the noisy training set (``"fit"``/None) and the clean val/test splits."""
         if stage in (None, "fit") and self.train_dataset is None:
             base = ImageArrays(self._images._split_arrays("train"))
-            clean = base.labels
-            self.clean_train_labels = clean
+            self.clean_train_labels = clean = base.labels
             self.noisy_train_labels = self._draw_or_read(clean)
             self.train_dataset = TwoViewNoisyDataset(base, self.noisy_train_labels,
                                                      self._images.weak_transform(self.crop_padding))
@@ -202,12 +148,10 @@ class NoisyLabelDataModule(pl.LightningDataModule):
     def _draw_or_read(self, clean: np.ndarray) -> np.ndarray:
         meta = self._noise_meta()
         if self.noise_file is not None and self.noise_file.is_file():
-            # the seed may differ (a file is the way to reuse noise); what the noise is may not
             labels, file_meta = load_noisy_labels(self.noise_file, clean, expected={
                 k: meta[k] for k in ("source", "mode", "rate", "convention", "mapping")})
             file_seed = file_meta.get("seed")
-            if file_seed is not None and file_seed != self.seed:
-                # a seed sweep that keeps one noise_file path would train every seed on the same noise
+            if file_seed is not None and file_seed != self.seed:  # (a seed sweep on one file would not vary)
                 rank_zero_warn(f"`noise_file` {self.noise_file} holds the noise of seed {file_seed}, not of "
                                f"seed={self.seed}: its labels are used as they are. Fix: for new noise per seed, "
                                "give each seed its own noise_file (or delete this one).")
@@ -222,48 +166,35 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         return labels
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled ``(x_view1, x_view2, noisy_label, index)`` batches; the last partial batch is dropped.
-
-        With ``balance_split`` and a module that splits the set, the batches of its semi-supervised
-        phase have the method's labeled share (:class:`SplitBalancedSampler`).
-        """
-        if self.train_dataset is None:
-            raise RuntimeError("The training data is not built yet; call setup('fit') first "
-                               "(a Lightning Trainer does this automatically).")
+        """Shuffled training batches (the last partial one dropped), of the method's labeled share once it splits."""
+        require_built(self.train_dataset, "training data", "fit")
         trainer = getattr(self, "trainer", None)
         module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-        split_mask = getattr(module, "noisy_split_mask", None)
-        workers = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        split_mask, seed = getattr(module, "noisy_split_mask", None), int(os.environ.get("PL_GLOBAL_SEED", 0))
+        workers = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0, drop_last=True)
         if self.balance_split and callable(split_mask):
             sampler = SplitBalancedSampler(len(self.train_dataset), self.batch_size,
                                            lambda: (split_mask(), trainer.current_epoch),  # type: ignore[union-attr]
-                                           rule=getattr(module, "noisy_batch_rule", "pes"),
-                                           seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
-            return StatefulDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                                      **workers)
-        # (seed, epoch) order, checkpointed by Lightning (lpa3_lightning.data.train_loader)
-        return train_loader(self.train_dataset, self.batch_size, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+                                           rule=getattr(module, "noisy_batch_rule", "pes"), seed=seed)
+            return StatefulDataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, **workers)
+        return train_loader(self.train_dataset, self.batch_size, seed=seed,
                             num_replicas=trainer.world_size if trainer is not None else 1,
-                            rank=trainer.global_rank if trainer is not None else 0, drop_last=True, **workers)
+                            rank=trainer.global_rank if trainer is not None else 0, **workers)
 
     def val_dataloader(self) -> DataLoader:
-        """Clean ``(x, y, index)`` batches of the validation split (the test split where the source has none)."""
         return self._images.val_dataloader()
 
     def test_dataloader(self) -> DataLoader:
-        """Clean ``(x, y, index)`` batches of the test split."""
         return self._images.test_dataloader()
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The noisy labels and what they were drawn for (Lightning stores them in checkpoints)."""
         if self.noisy_train_labels is None:
             return {}
         return {**self._noise_meta(), "seed": getattr(self, "_labels_seed", self.seed),
                 "noisy_labels": [int(v) for v in self.noisy_train_labels]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Adopts a checkpoint's noisy labels (after ``setup``), refusing those of another source or size."""
+        """Adopt a checkpoint's noisy labels (ValueError for another source, size or noise)."""
         if not state_dict:
             return
         if state_dict.get("source") != self.source:
@@ -286,16 +217,11 @@ class NoisyLabelDataModule(pl.LightningDataModule):
         labels = np.asarray(state_dict["noisy_labels"], dtype=np.int64)
         if self.train_dataset is not None:
             if len(labels) != len(self.train_dataset):
-                raise ValueError(f"The checkpoint has {len(labels)} noisy labels, the training set {len(self.train_dataset)} "
-                                 "images. Fix: point `root` at the data the checkpoint was trained on.")
+                raise ValueError(f"The checkpoint has {len(labels)} noisy labels, the training set "
+                                 f"{len(self.train_dataset)} images. Fix: point `root` at the data the checkpoint was "
+                                 "trained on.")
             self.noisy_train_labels = labels
             self._labels_seed = state_dict.get("seed")  # the labels in use are the checkpoint's
             self.train_dataset.labels = torch.as_tensor(labels)
             if self.train_eval_dataset is not None:
                 self.train_eval_dataset.labels = torch.as_tensor(labels)
-
-
-def _facts_classes(source: str) -> int:
-    """Number of classes of ``source`` (validated by the semi-supervised module's own check)."""
-    validate_source(source)
-    return int(source_facts(source)["num_classes"])

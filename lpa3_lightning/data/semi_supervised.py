@@ -1,160 +1,71 @@
-"""Data for semi-supervised training in the FixMatch setting (few labels, many unlabeled images).
-
-FixMatch (Sohn et al., NeurIPS 2020) trains on two streams at once: a small labeled subset,
-drawn equally from every class, seen through a *weak* augmentation (flip and translation),
-and the whole training set without its labels, seen through a weak and a *strong* view
-(weak + RandAugment + Cutout). The model's confident prediction on the weak view becomes the
-pseudo-label of the strong one. This module provides the pieces:
-
-* :mod:`lpa3_lightning.data.label_split` draws the labeled subset (equal per class, seeded)
-  and keeps it in a small JSON file;
-* :mod:`lpa3_lightning.data.ssl_transforms` builds the weak, strong and evaluation views;
-* :class:`LabeledDataset` and :class:`UnlabeledDataset` return ``(x, y, index)`` and
-  ``(x_weak, x_strong, index)``, ``index`` being the position in the whole training set
-  (LP-A3 keeps per-sample state keyed by it);
-* :class:`SemiSupervisedDataModule` puts them together for MNIST-5k (embedded in the
-  package), the 2D MedMNIST data sets, CIFAR-10/100 and STL-10.
-
-Written from the FixMatch paper's description, not from its code.
-"""
+"""FixMatch's data (Sohn et al., NeurIPS 2020): a small labeled subset, equal in every class, and the whole
+training set unlabeled, written from the paper's description."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision import transforms
 
-from lpa3_lightning.data.indexed import IndexedDataset
-from lpa3_lightning.data.label_split import check_int, check_num_labels
-from lpa3_lightning.data.labeled_subset import LabeledSubsetMixin
+from lpa3_lightning.data.indexed import IndexedDataset, require_built
+from lpa3_lightning.data.label_split import (check_int, check_num_labels, load_label_split, save_label_split,
+                                             stratified_label_split)
 from lpa3_lightning.data.medmnist import EMBEDDED_DATA_DIR
-from lpa3_lightning.data.ssl_datasets import (
-    MNIST5K_SPLIT_SEED,
-    ImageArrays,
-    LabeledDataset,
-    RandomStream,
-    UnlabeledDataset,
-)
-from lpa3_lightning.data.ssl_sources import (
-    SEMI_SUPERVISED_SOURCES,
-    TORCHVISION_SOURCES,
-    download_source,
-    source_arrays,
-    source_facts,
-    validate_source,
-)
-from lpa3_lightning.data.ssl_transforms import (
-    STRONG_AUGMENTS,
-    eval_transform,
-    strong_transform,
-    weak_transform,
-)
+from lpa3_lightning.data.sampling import RandomStream
+from lpa3_lightning.data.ssl_datasets import (MNIST5K_SPLIT_SEED, SEMI_SUPERVISED_SOURCES, TORCHVISION_SOURCES,
+                                               ImageArrays, LabeledDataset, UnlabeledDataset, download_source,
+                                               source_arrays, source_facts, validate_source)
+from lpa3_lightning.data.ssl_transforms import STRONG_AUGMENTS, eval_transform, strong_transform, weak_transform
 
 __all__ = ["MNIST5K_SPLIT_SEED", "SEMI_SUPERVISED_SOURCES", "SemiSupervisedDataModule"]
 
 
-
-
-class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
+class SemiSupervisedDataModule(pl.LightningDataModule):
     """FixMatch-style loaders: a labeled and an unlabeled stream per training step, plus val/test.
 
-    **Training batch** (``train_dataloader`` returns a ``CombinedLoader`` in
-    ``"min_size"`` mode, its two streams of one length; the ``training_step`` receives)::
+    A training batch (``CombinedLoader``, ``"min_size"``, ``B = batch_size``)::
 
-        {"labeled":   (x, y, idx),                  # x (B, C, H, W) weak view, y (B,) long,
-                                                    # idx (B,) long: positions in the training set
-         "unlabeled": (x_weak, x_strong, idx)}      # each (mu*B, C, H, W); idx (mu*B,) long
+        {"labeled":   (x, y, idx),               # x (B, C, H, W) weak view, y and idx (B,) long
+         "unlabeled": (x_weak, x_strong, idx)}   # each (mu*B, C, H, W); idx (mu*B,) long
 
-    with ``B = batch_size``. The unlabeled set is the **whole training set** (labeled images
-    included, labels hidden), FixMatch's convention, so both ``idx`` index the same set of
-    :attr:`num_unlabeled` images. An epoch has :attr:`num_steps_per_epoch` steps: the
-    unlabeled stream draws ``steps * mu * B`` images from back-to-back random permutations
-    of the set (one pass by default), and the labeled stream draws ``steps * B`` labeled
-    images uniformly with replacement. Neither stream runs out before the other.
-
-    **Validation / test batches** are ``(x, y, idx)`` with the evaluation view (normalisation
-    only), ``idx`` the position in the split. Validation uses the source's validation split
-    when it has one (MedMNIST). CIFAR-10/100, STL-10 and MNIST-5k have none, and no images
-    are held out of the training set for it: **validation uses the test split**, so
-    validation metrics are test metrics (use them for monitoring, not for model selection).
-
-    Sources:
-
-    * ``"mnist5k"``: 5,000 MNIST digits embedded in the package, split once (seeded,
-      stratified, :func:`load_mnist5k`) into 4,000 train / 1,000 test; no flip by default.
-    * a 2D single-label MedMNIST flag (``"breastmnist"``, ``"pneumoniamnist"``, ...): the
-      28 px ``<flag>.npz`` in ``root`` (None: the embedded folder, which holds breastmnist);
-      normalised with mean = std = 0.5 like :class:`MedMNISTDataModule`; no flip by default
-      when class names mention a side (OrganMNIST: "kidney-left").
-    * ``"cifar10"``, ``"cifar100"``: torchvision's files in ``root``.
-    * ``"stl10"``: torchvision's files in ``root``; the training (= unlabeled) set is the
-      5,000 labeled ``train`` images followed by the 100,000 ``unlabeled`` ones (as
-      FixMatch), the labeled subset is drawn from the first 5,000.
-
-    The labeled subset has ``num_labels / num_classes`` images of every class
-    (:func:`stratified_label_split` with ``seed``), or is read from ``split_file``. It is
-    part of the data module's ``state_dict``, so a checkpoint restores it.
+    ``idx`` is the position in the training set, which is the unlabeled set. Without a validation split (CIFAR,
+    STL-10, MNIST-5k) **validation uses the test split**. The ``state_dict`` holds the labeled subset.
 
     Args:
-        source: data set, one of :data:`SEMI_SUPERVISED_SOURCES`.
-        root: folder of the data files; None for the embedded folder (mnist5k, breastmnist).
-            Required for CIFAR and STL-10.
+        source: one of :data:`SEMI_SUPERVISED_SOURCES`.
+        root: folder of the data files; None: the embedded folder (mnist5k, breastmnist).
         num_labels: size of the labeled subset, a multiple of the number of classes.
-        seed: seed of the labeled subset.
-        split_file: JSON file of the labeled subset. Exists: read it (it must be for this
-            source, training-set size and ``num_labels``; ``seed`` is then ignored). Missing:
-            the subset drawn from ``seed`` is written there. None: drawn from ``seed``.
+        seed: seed of the labeled subset and of the streams' orders.
+        split_file: JSON file of the labeled subset, read when it exists, else written.
         batch_size: labeled batch size ``B``.
-        mu: ratio of unlabeled to labeled batch size (unlabeled batch = ``mu * B``; FixMatch: 7).
+        mu: unlabeled batch size over ``B``.
         eval_batch_size: validation / test batch size.
-        num_workers: data loader worker processes (0 loads in the main process).
-        steps_per_epoch: training steps per epoch; None: one pass over the unlabeled set,
-            ``ceil(num_unlabeled / (mu * B))``.
-        download: download missing torchvision / MedMNIST files into ``root`` (needs internet).
+        num_workers: data loader worker processes.
+        steps_per_epoch: training steps per epoch; None: ``ceil(num_unlabeled / (mu * B))``.
+        download: download missing files into ``root``.
         flip: random horizontal flip in the weak and strong views; None: the source's default.
-        strong_augment: the strong view's augmentation: ``"fixmatch"`` (default; FixMatch's
-            RandAugment, each of 2 operations applied with probability 0.5 at a random magnitude,
-            and a 16 px Cutout, as its reference implementation) or ``"torchvision"``
-            (torchvision's ``RandAugment(2, 10)`` and a Cutout of random size; see
-            :func:`~lpa3_lightning.data.ssl_transforms.strong_transform`).
+        strong_augment: ``"fixmatch"`` or ``"torchvision"`` (:func:`~lpa3_lightning.data.strong_transform`).
 
     Raises:
-        ValueError: for an unknown source or an argument outside its range (the message names
-            the argument and the fix).
-        FileNotFoundError: at ``setup`` when a data file is missing (names the path and the fix).
-
-    Example:
-        >>> dm = SemiSupervisedDataModule("mnist5k", num_labels=40, batch_size=8, steps_per_epoch=2)
-        >>> dm.setup("fit")
-        >>> batch, _, _ = next(iter(dm.train_dataloader()))
-        >>> tuple(batch["labeled"][0].shape), tuple(batch["unlabeled"][1].shape)
-        ((8, 1, 28, 28), (56, 1, 28, 28))
+        ValueError: for an unknown source or an argument outside its range; at ``setup``, for a split file of
+            another data set or too large a batch.
+        FileNotFoundError: at ``setup``, for a missing data file, naming the path and the fix.
     """
 
-    def __init__(
-        self,
-        source: str = "mnist5k",
-        root: str | None = None,
-        num_labels: int = 40,
-        seed: int = 0,
-        split_file: str | None = None,
-        batch_size: int = 64,
-        mu: int = 7,
-        eval_batch_size: int = 256,
-        num_workers: int = 0,
-        steps_per_epoch: int | None = None,
-        download: bool = False,
-        flip: bool | None = None,
-        strong_augment: str = "fixmatch",
-    ) -> None:
+    def __init__(self, source: str = "mnist5k", root: str | None = None, num_labels: int = 40, seed: int = 0,
+                 split_file: str | None = None, batch_size: int = 64, mu: int = 7, eval_batch_size: int = 256,
+                 num_workers: int = 0, steps_per_epoch: int | None = None, download: bool = False,
+                 flip: bool | None = None, strong_augment: str = "fixmatch") -> None:
         super().__init__()
         validate_source(source)
         if strong_augment not in STRONG_AUGMENTS:
@@ -177,29 +88,20 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
         check_int("num_workers", num_workers, 0, "use 0 to load data in the main process.")
         if steps_per_epoch is not None:
             check_int("steps_per_epoch", steps_per_epoch, 1,
-                       "pass a positive number of steps, or None for one pass over the unlabeled set.")
+                      "pass a positive number of steps, or None for one pass over the unlabeled set.")
         if not isinstance(download, bool):
             raise ValueError(f"`download` must be a bool, got {download!r}. Fix: pass True or False.")
         if flip is not None and not isinstance(flip, bool):
             raise ValueError(f"`flip` must be a bool or None, got {flip!r}. Fix: pass True, False or None.")
         self.save_hyperparameters()
-
-        self.source = source
+        self.source, self.download, self.strong_augment = source, download, strong_augment
         self.root = Path(root).expanduser() if root is not None else EMBEDDED_DATA_DIR
-        self.num_labels = int(num_labels)
-        self.seed = int(seed)
+        self.num_labels, self.seed = int(num_labels), int(seed)
         self.split_file = Path(split_file).expanduser() if split_file is not None else None
-        self.batch_size = int(batch_size)
-        self.mu = int(mu)
-        self.eval_batch_size = int(eval_batch_size)
-        self.num_workers = int(num_workers)
-        self.steps_per_epoch = steps_per_epoch
-        self.download = download
+        self.batch_size, self.mu, self.eval_batch_size = int(batch_size), int(mu), int(eval_batch_size)
+        self.num_workers, self.steps_per_epoch = int(num_workers), steps_per_epoch
         self.flip = facts["flip"] if flip is None else flip
-        self.strong_augment = strong_augment
-        self._root_is_embedded = root is None
-        self._source_facts = facts
-
+        self._root_is_embedded, self._source_facts, self._norm = root is None, facts, (facts["mean"], facts["std"])
         self.train_base: ImageArrays | None = None
         self.labeled_dataset: LabeledDataset | None = None
         self.unlabeled_dataset: UnlabeledDataset | None = None
@@ -209,40 +111,23 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
         self._arrays: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
-    # ------------------------------------------------------------------
-    # Metadata (available before setup)
-    # ------------------------------------------------------------------
-    @property
-    def num_classes(self) -> int:
-        """Number of classes."""
-        return int(self._source_facts["num_classes"])
-
-    @property
-    def in_channels(self) -> int:
-        """Image channels (1 for digits and grayscale MedMNIST, 3 for colour images)."""
-        return int(self._source_facts["in_channels"])
-
-    @property
-    def image_size(self) -> int:
-        """Side of the square images."""
-        return int(self._source_facts["image_size"])
+    # the source's facts, known before any file is read
+    num_classes = property(lambda self: int(self._source_facts["num_classes"]))
+    in_channels = property(lambda self: int(self._source_facts["in_channels"]))
+    image_size = property(lambda self: int(self._source_facts["image_size"]))
 
     @property
     def normalization(self) -> dict[str, list[float]]:
-        """Per-channel ``{"mean": [...], "std": [...]}`` of [0, 1] pixels used by ``Normalize``.
-
-        LP-A3's callback reads it for the box of valid inputs.
-        """
         return {"mean": list(self._source_facts["mean"]), "std": list(self._source_facts["std"])}
 
     @property
     def num_unlabeled(self) -> int:
-        """Size of the unlabeled set, which is the whole training set."""
+        """Size of the unlabeled set, the whole training set."""
         return len(self.train_base) if self.train_base is not None else int(self._source_facts["num_train"])
 
     @property
     def num_steps_per_epoch(self) -> int:
-        """Training steps per epoch: ``steps_per_epoch`` or ``ceil(num_unlabeled / (mu * batch_size))``."""
+        """``steps_per_epoch`` or ``ceil(num_unlabeled / (mu * batch_size))``."""
         if self.steps_per_epoch is not None:
             return int(self.steps_per_epoch)
         return math.ceil(self.num_unlabeled / (self.mu * self.batch_size))
@@ -255,50 +140,27 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
                                "(a Lightning Trainer does this automatically).")
         return self._labeled_indices.copy()
 
-    # ------------------------------------------------------------------
-    # Transforms
-    # ------------------------------------------------------------------
     def weak_transform(self, padding_mode: str = "reflect") -> transforms.Compose:
-        """The weak view of this source (:func:`weak_transform`; FixMatch pads by reflection)."""
-        return weak_transform(self._source_facts["mean"], self._source_facts["std"], self.image_size, self.flip,
-                              padding_mode)
+        return weak_transform(*self._norm, self.image_size, self.flip, padding_mode)
 
     def strong_transform(self) -> transforms.Compose:
-        """The strong view of this source (:func:`strong_transform` with ``strong_augment``)."""
-        return strong_transform(self._source_facts["mean"], self._source_facts["std"], self.image_size, self.flip,
-                                augment=self.strong_augment)
+        return strong_transform(*self._norm, self.image_size, self.flip, augment=self.strong_augment)
 
     def eval_transform(self) -> transforms.Compose:
-        """The evaluation view of this source (:func:`eval_transform`)."""
-        return eval_transform(self._source_facts["mean"], self._source_facts["std"])
+        return eval_transform(*self._norm)
 
-    # ------------------------------------------------------------------
-    # Files
-    # ------------------------------------------------------------------
     def prepare_data(self) -> None:
-        """Downloads missing files when ``download=True`` (one process per node, before ``setup``)."""
         if self.download:
             download_source(self.source, None if self._root_is_embedded else self.root)
 
     def _split_arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(images, labels)`` parts of ``split`` ("train", "val" or "test"), read once."""
         if split not in self._arrays:
-            self._arrays.update(source_arrays(self.source, None if self._root_is_embedded else self.root, split,
-                                              self.download))
+            root = None if self._root_is_embedded else self.root
+            self._arrays.update(source_arrays(self.source, root, split, self.download))
         return self._arrays[split]
 
-    # ------------------------------------------------------------------
-    # Lightning hooks
-    # ------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
-        """Builds the data sets of ``stage`` (``"fit"``: train + val, ``"validate"``: val,
-        ``"test"``/``"predict"``: test, None: all), drawing or reading the labeled subset.
-
-        Raises:
-            FileNotFoundError: if a data file is missing.
-            ValueError: for an unknown ``stage``, a split file of another data set, or an
-                unlabeled batch larger than the training set.
-        """
+        """Build the datasets of ``stage`` (``fit``: train, val; ``validate``: val; ``test``/``predict``: test)."""
         valid = (None, "fit", "validate", "test", "predict")
         if stage not in valid:
             raise ValueError(f"`stage` must be one of {valid}, got {stage!r}.")
@@ -312,14 +174,12 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
 
     def _setup_train(self) -> None:
         base = ImageArrays(self._split_arrays("train"))
-        size = len(base)
-        unlabeled_batch = self.mu * self.batch_size
+        size, unlabeled_batch = len(base), self.mu * self.batch_size
         if unlabeled_batch > size:
             raise ValueError(
                 f"The unlabeled batch mu * batch_size = {self.mu} * {self.batch_size} = {unlabeled_batch} exceeds the "
                 f"{size} training images of {self.source}. Fix: lower `mu` or `batch_size` so that their product is "
-                f"at most {size}."
-            )
+                f"at most {size}.")
         self.train_base = base
         self._labeled_indices = self._draw_or_read_split(base.labels)
         self.unlabeled_dataset = UnlabeledDataset(base, self.weak_transform(), self.strong_transform())
@@ -334,41 +194,92 @@ class SemiSupervisedDataModule(LabeledSubsetMixin, pl.LightningDataModule):
                                                                 persistent_workers=self.num_workers > 0, **kwargs)
 
     def train_dataloader(self) -> CombinedLoader:
-        """``CombinedLoader({"labeled": ..., "unlabeled": ...}, mode="min_size")``, both streams exactly
-        :attr:`num_steps_per_epoch` batches long (see the class docstring). ``"min_size"``, not
-        ``"max_size_cycle"``: with streams of one length they give the same batches, but at a pass's end
-        ``"max_size_cycle"`` starts the labeled stream again and draws one batch it then drops, whose
-        random views move torch's generator; a run resumed into that epoch's end drew it once more and
-        trained the next epoch on other views."""
-        if self.unlabeled_dataset is None or self.labeled_dataset is None:
-            raise RuntimeError("The training data is not built yet; call setup('fit') first "
-                               "(a Lightning Trainer does this automatically).")
-        steps, unlabeled_batch = self.num_steps_per_epoch, self.mu * self.batch_size
-        # Without replacement but num_samples may exceed the set: back-to-back permutations. Stateful
-        # loaders over orders fixed by (seed, epoch): Lightning checkpoints their position.
-        unlabeled = self._loader(self.unlabeled_dataset, unlabeled_batch, drop_last=True, stateful=True,
-                                 sampler=RandomStream(len(self.unlabeled_dataset), steps * unlabeled_batch,
-                                                      seed=self.seed))
-        labeled = self._loader(self.labeled_dataset, self.batch_size, drop_last=True, stateful=True,
-                               sampler=RandomStream(len(self.labeled_dataset), steps * self.batch_size,
-                                                    replacement=True, seed=self.seed + 1))
-        return CombinedLoader({"labeled": labeled, "unlabeled": unlabeled}, mode="min_size")
+        """The two resumable streams. ``"min_size"``: ``"max_size_cycle"`` restarts the labeled stream at a pass's
+        end for a batch it drops, whose random views move torch's generator.
+        """
+        require_built(self.labeled_dataset if self.unlabeled_dataset is not None else None, "training data", "fit")
+        steps = self.num_steps_per_epoch
+        streams = {"labeled": (self.labeled_dataset, self.batch_size, True, self.seed + 1),  # (with replacement)
+                   "unlabeled": (self.unlabeled_dataset, self.mu * self.batch_size, False, self.seed)}
+        return CombinedLoader({name: self._loader(data, batch, drop_last=True, stateful=True,
+                                                  sampler=RandomStream(len(data), steps * batch, replace, seed))
+                               for name, (data, batch, replace, seed) in streams.items()}, mode="min_size")
+
+    def _eval_loader(self, dataset: Dataset | None, split: str, stage: str) -> DataLoader:
+        return self._loader(require_built(dataset, f"{split} split", stage), self.eval_batch_size, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
-        """``(x, y, idx)`` batches of the validation split (the test split where the source has none)."""
-        return self._loader(self._require(self.val_dataset, "val", "validate"), self.eval_batch_size, shuffle=False)
+        """The validation split (the test split where the source has none)."""
+        return self._eval_loader(self.val_dataset, "val", "validate")
 
     def test_dataloader(self) -> DataLoader:
-        """``(x, y, idx)`` batches of the test split."""
-        return self._loader(self._require(self.test_dataset, "test", "test"), self.eval_batch_size, shuffle=False)
+        return self._eval_loader(self.test_dataset, "test", "test")
 
     def predict_dataloader(self) -> DataLoader:
-        """The test split, as :meth:`test_dataloader`."""
-        return self._loader(self._require(self.test_dataset, "test", "predict"), self.eval_batch_size, shuffle=False)
+        return self._eval_loader(self.test_dataset, "test", "predict")
 
-    @staticmethod
-    def _require(dataset: Dataset | None, split: str, stage: str) -> Dataset:
-        if dataset is None:
-            raise RuntimeError(f"The {split} split is not built yet; call setup({stage!r}) first "
-                               "(a Lightning Trainer does this automatically).")
-        return dataset
+    def _split_meta(self) -> dict[str, Any]:
+        return {"source": self.source, "num_labels": self.num_labels, "seed": self.seed,
+                "dataset_size": self.num_unlabeled, "num_classes": self.num_classes}
+
+    def _draw_or_read_split(self, labels: np.ndarray) -> np.ndarray:
+        meta, path = self._split_meta(), self.split_file
+        if path is not None and path.is_file():
+            expected = {key: meta[key] for key in ("source", "dataset_size", "num_labels")}
+            indices, file_meta = load_label_split(path, expected)
+            if (labels[indices] < 0).any():
+                raise ValueError(f"Label split file {path} selects images without a label. Fix: pass split_file= "
+                                 "another path (it is written there when missing), or delete this file.")
+            if file_meta.get("seed") is not None and file_meta.get("seed") != self.seed:  # (a seed sweep on one file)
+                rank_zero_warn(f"`split_file` {path} holds the labeled subset of seed {file_meta.get('seed')}, not of "
+                               f"seed={self.seed}: it is used as it is. Fix: for a new subset per seed, give each "
+                               "seed its own split_file (or delete this one).")
+            return indices
+        pool = np.flatnonzero(labels >= 0)  # (STL-10: only its train images carry labels)
+        indices = pool[stratified_label_split(labels[pool], self.num_labels, self.num_classes, self.seed)]
+        trainer = getattr(self, "trainer", None)
+        if path is not None and (trainer is None or trainer.is_global_zero):
+            save_label_split(path, indices, meta)
+        return indices
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._labeled_indices is None:
+            return {}
+        return {**self._split_meta(), "labeled_indices": [int(i) for i in self._labeled_indices]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Adopt a checkpoint's labeled subset (applied by ``setup("fit")`` when called before it).
+
+        Raises:
+            ValueError: for a state of another source, training-set size or ``num_labels``.
+        """
+        if not state_dict:
+            return
+        if "labeled_indices" not in state_dict:
+            raise ValueError("The data module state has no 'labeled_indices'. Fix: load a checkpoint written with "
+                             "SemiSupervisedDataModule, or resume without this data module's state.")
+        for key in ("source", "num_labels"):
+            if state_dict.get(key) != getattr(self, key):
+                raise ValueError(f"The checkpoint's labeled subset is for {key}={state_dict.get(key)!r}, this data "
+                                 f"module has {key}={getattr(self, key)!r}. Fix: pass {key}={state_dict.get(key)!r} "
+                                 "(the checkpoint's) to resume that run.")
+        if self._labeled_indices is None:
+            self._pending_state = dict(state_dict)
+            return
+        self._adopt(state_dict)
+
+    def _adopt(self, state: Mapping[str, Any]) -> None:
+        if state.get("dataset_size") != self.num_unlabeled:
+            raise ValueError(f"The checkpoint's labeled subset is for a training set of {state.get('dataset_size')} "
+                             f"images, {self.source} here has {self.num_unlabeled}. Fix: point `root` at the data the "
+                             "checkpoint was trained on.")
+        indices = np.asarray(sorted(int(i) for i in state["labeled_indices"]), dtype=np.int64)
+        if self._labeled_indices is not None and np.array_equal(indices, self._labeled_indices):
+            return
+        rank_zero_warn(f"SemiSupervisedDataModule: adopting the checkpoint's {len(indices)} labeled indices (seed "
+                       f"{state.get('seed')}), which differ from those of seed={self.seed}"
+                       + (f" / split_file={self.split_file}" if self.split_file is not None else "") + ".")
+        self._labeled_indices = indices
+        if self.train_base is None:
+            raise RuntimeError("The training data is not built yet; call setup('fit') before applying a labeled split.")
+        self.labeled_dataset = LabeledDataset(self.train_base, indices, self.weak_transform())

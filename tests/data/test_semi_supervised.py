@@ -1,31 +1,13 @@
-"""Semi-supervised (FixMatch) data: label split, its file, transforms, the data module on MNIST-5k."""
+"""The semi-supervised (FixMatch) data module on MNIST-5k: arguments, the split file, batches, checkpoints."""
 
 from __future__ import annotations
-
-import hashlib
-import json
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from lpa3_lightning.data import (
-    EMBEDDED_DATA_DIR,
-    Cutout,
-    LabeledDataset,
-    SemiSupervisedDataModule,
-    UnlabeledDataset,
-    load_label_split,
-    load_mnist5k,
-    save_label_split,
-    stratified_label_split,
-    strong_transform,
-    weak_transform,
-)
-
-MNIST5K_MD5 = "11def57eb666ead6d8efa9a9ff9c2218"
+from lpa3_lightning.data import SemiSupervisedDataModule, load_label_split, save_label_split
 
 
 @pytest.fixture(scope="module")
@@ -34,54 +16,6 @@ def mnist_dm() -> SemiSupervisedDataModule:
                                   eval_batch_size=100)
     dm.setup()
     return dm
-
-
-# ----------------------------------------------------------------------------------------
-# Embedded file and its split
-# ----------------------------------------------------------------------------------------
-def test_embedded_mnist5k_file_license_and_fixed_split():
-    path = EMBEDDED_DATA_DIR / "mnist5k.npz"
-    assert hashlib.md5(path.read_bytes()).hexdigest() == MNIST5K_MD5
-    assert "CC BY-SA 3.0" in (EMBEDDED_DATA_DIR / "LICENSE-mnist").read_text()
-    assert "mnist5k.npz" in (EMBEDDED_DATA_DIR / "README.md").read_text()
-    data = load_mnist5k()
-    assert data["train_images"].shape == (4000, 28, 28) and data["test_images"].shape == (1000, 28, 28)
-    assert np.bincount(data["test_labels"]).tolist() == [100] * 10
-    assert np.bincount(data["train_labels"]).tolist() == [400] * 10
-    assert not np.intersect1d(data["train_file_indices"], data["test_file_indices"]).size
-    np.testing.assert_array_equal(load_mnist5k()["test_file_indices"], data["test_file_indices"])  # fixed
-
-
-def test_missing_mnist5k_names_path_and_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match="mnist5k.npz") as info:
-        SemiSupervisedDataModule("mnist5k", root=str(tmp_path)).setup("fit")
-    assert str(tmp_path) in str(info.value) and "root=None" in str(info.value)
-
-
-# ----------------------------------------------------------------------------------------
-# stratified_label_split
-# ----------------------------------------------------------------------------------------
-def test_split_is_equal_per_class_sorted_and_seeded():
-    labels = np.repeat(np.arange(10), 50)[np.random.default_rng(3).permutation(500)]
-    idx = stratified_label_split(labels, 40, 10, seed=0)
-    assert idx.dtype == np.int64 and len(idx) == 40 and len(np.unique(idx)) == 40
-    assert np.all(np.diff(idx) > 0)
-    assert np.bincount(labels[idx], minlength=10).tolist() == [4] * 10
-    np.testing.assert_array_equal(idx, stratified_label_split(torch.from_numpy(labels), 40, 10, seed=0))
-    assert not np.array_equal(idx, stratified_label_split(labels, 40, 10, seed=1))
-
-
-@pytest.mark.parametrize("num_labels, fix", [(5, "num_labels=10"), (25, "num_labels=20 or 30"), (0, "num_labels")])
-def test_split_refuses_fewer_labels_than_classes_or_a_non_multiple(num_labels, fix):
-    with pytest.raises(ValueError, match="num_labels") as info:
-        stratified_label_split(np.repeat(np.arange(10), 5), num_labels, 10, seed=0)
-    assert fix in str(info.value) and "Fix" in str(info.value)
-
-
-def test_split_refuses_a_class_with_too_few_samples():
-    labels = np.array([0] * 10 + [1] * 2)
-    with pytest.raises(ValueError, match="class 1 has only 2.*num_labels <= 4"):
-        stratified_label_split(labels, 6, 2, seed=0)
 
 
 def test_datamodule_refuses_bad_arguments_with_the_fix():
@@ -97,9 +31,6 @@ def test_datamodule_refuses_bad_arguments_with_the_fix():
         SemiSupervisedDataModule("mnist5k", batch_size=1000).setup("fit")
 
 
-# ----------------------------------------------------------------------------------------
-# Split file
-# ----------------------------------------------------------------------------------------
 def test_split_file_is_written_then_read_and_another_source_is_refused(tmp_path):
     path = tmp_path / "splits" / "mnist5k_40.json"
     first = SemiSupervisedDataModule("mnist5k", num_labels=40, seed=5, split_file=str(path), batch_size=4)
@@ -125,54 +56,6 @@ def test_split_file_is_written_then_read_and_another_source_is_refused(tmp_path)
         load_label_split(other, {"dataset_size": 4000})
 
 
-def test_a_damaged_split_file_is_refused_with_its_path(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"indices": [1, 2]}))
-    with pytest.raises(ValueError, match="not a label split file") as info:
-        load_label_split(path)
-    assert str(path) in str(info.value)
-
-
-# ----------------------------------------------------------------------------------------
-# Transforms and data sets
-# ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode, channels, side", [("L", 1, 28), ("RGB", 3, 32)])
-def test_weak_and_strong_views_for_gray_and_rgb(mode, channels, side):
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    shape = (side, side) if channels == 1 else (side, side, channels)
-    img = Image.fromarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
-    norm = ([0.5] * channels, [0.5] * channels)
-    weak, strong = weak_transform(*norm, side), strong_transform(*norm, side)
-    assert weak(img).shape == strong(img).shape == (channels, side, side)
-    assert not torch.equal(weak(img), strong(img))
-
-
-def test_cutout_paints_one_gray_square_of_at_most_half_the_side():
-    torch.manual_seed(0)
-    for _ in range(20):
-        out = np.array(Cutout(0.5, fill=127)(Image.new("L", (28, 28), color=0)))
-        rows, cols = np.nonzero(out == 127)
-        if rows.size:
-            assert rows.max() - rows.min() < 14 and cols.max() - cols.min() < 14
-            assert rows.size == (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
-
-
-def test_labeled_and_unlabeled_datasets_return_whole_set_indices():
-    base = [(Image.new("L", (28, 28), color=k), k % 3) for k in range(9)]
-    norm = ([0.5], [0.5])
-    labeled = LabeledDataset(base, [2, 7], weak_transform(*norm, 28, flip=False))
-    x, y, i = labeled[1]
-    assert x.shape == (1, 28, 28) and y.dtype == torch.long and int(y) == 1 and i == 7
-    xw, xs, j = UnlabeledDataset(base, weak_transform(*norm, 28), strong_transform(*norm, 28))[4]
-    assert xw.shape == xs.shape == (1, 28, 28) and j == 4
-    with pytest.raises(ValueError, match="indices"):
-        LabeledDataset(base, [9], None)
-
-
-# ----------------------------------------------------------------------------------------
-# Data module
-# ----------------------------------------------------------------------------------------
 def test_properties_before_setup():
     dm = SemiSupervisedDataModule("mnist5k")
     assert (dm.num_classes, dm.in_channels, dm.num_unlabeled, dm.flip) == (10, 1, 4000, False)
@@ -214,15 +97,6 @@ def test_val_and_test_are_the_fixed_test_split(mnist_dm):
     xt, yt, _ = next(iter(mnist_dm.test_dataloader()))
     assert torch.equal(x, xt) and torch.equal(y, yt)  # no validation split: val = test, documented
     assert len(mnist_dm.test_dataset) == 1000
-
-
-def test_missing_cifar_file_offline_names_the_path(tmp_path):
-    dm = SemiSupervisedDataModule("cifar10", root=str(tmp_path), num_labels=40)
-    with pytest.raises(FileNotFoundError) as info:
-        dm.setup("fit")
-    message = str(info.value)
-    assert str(tmp_path / "cifar-10-batches-py" / "data_batch_1") in message
-    assert "download=True" in message and "cifar-10-python.tar.gz" in message
 
 
 def test_state_dict_round_trip_adopts_the_checkpoint_split(mnist_dm):

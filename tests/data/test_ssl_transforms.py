@@ -1,7 +1,7 @@
-"""FixMatch's strong view against its reference's definition (kekmodel/FixMatch-pytorch at 040be3b,
+"""FixMatch's views: the strong one against its reference's definition (kekmodel/FixMatch-pytorch at 040be3b,
 dataset/randaugment.py, which the LP-A3 authors copied: RandAugmentMC lines 205-220,
 fixmatch_augment_pool lines 147-163, the operations lines 20-136), computed independently with
-PIL here."""
+PIL here; the weak one's padding; both for gray and RGB images."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from lpa3_lightning.data import SemiSupervisedDataModule
-from lpa3_lightning.data.ssl_transforms import Cutout, FixMatchRandAugment, strong_transform
+from lpa3_lightning.data.ssl_transforms import Cutout, FixMatchRandAugment, strong_transform, weak_transform
 
 
 def _image(mode: str = "RGB", side: int = 32, seed: int = 0) -> Image.Image:
@@ -109,8 +109,6 @@ def test_the_fixmatch_view_ends_with_the_references_cutout_and_the_torchvision_v
 
 
 def test_the_weak_view_pads_by_reflection_or_with_zeros():
-    from lpa3_lightning.data.ssl_transforms import weak_transform
-
     white = Image.new("L", (32, 32), color=255)
     torch.manual_seed(0)
     zeros = [float(weak_transform([0.0], [1.0], 32, flip=False, padding_mode="zeros")(white).min()) for _ in range(20)]
@@ -118,3 +116,25 @@ def test_the_weak_view_pads_by_reflection_or_with_zeros():
     assert min(zeros) == 0.0 and min(reflect) == 1.0  # zero padding shows as black borders
     with pytest.raises(ValueError, match="padding_mode"):
         weak_transform([0.5], [0.5], 32, padding_mode="edge")
+
+
+@pytest.mark.parametrize("mode, channels, side", [("L", 1, 28), ("RGB", 3, 32)])
+def test_weak_and_strong_views_for_gray_and_rgb(mode, channels, side):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    shape = (side, side) if channels == 1 else (side, side, channels)
+    img = Image.fromarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
+    norm = ([0.5] * channels, [0.5] * channels)
+    weak, strong = weak_transform(*norm, side), strong_transform(*norm, side)
+    assert weak(img).shape == strong(img).shape == (channels, side, side)
+    assert not torch.equal(weak(img), strong(img))
+
+
+def test_cutout_paints_one_gray_square_of_at_most_half_the_side():
+    torch.manual_seed(0)
+    for _ in range(20):
+        out = np.array(Cutout(0.5, fill=127)(Image.new("L", (28, 28), color=0)))
+        rows, cols = np.nonzero(out == 127)
+        if rows.size:
+            assert rows.max() - rows.min() < 14 and cols.max() - cols.min() < 14
+            assert rows.size == (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
