@@ -1,23 +1,9 @@
-"""PreAct ResNet-18 (He et al., ECCV 2016, "Identity mappings in deep residual networks"), the
-noisy-label backbone of DivideMix, PES and LP-A3's noisy-label rows, for 32x32 (and 28x28) images.
-
-The structure is the one of those methods' reference code (PES: tmllab/2021_NeurIPS_PES
-``networks/ResNet.py``; DivideMix: LiJunnan1992/DivideMix ``PreResNet.py``), which departs from
-the paper's pre-activation network in three places that change the parameters or the function:
-
-* the stem is a 3x3 convolution followed by BN and ReLU (no pooling);
-* every block pre-activates its input, ``pre = relu(bn1(x))``, and its shortcut starts from
-  ``pre`` (the identity shortcut carries ``pre``, not ``x``; a 1x1 convolution without BN when the
-  shape changes), then ``conv2(relu(bn2(conv1(pre)))) + shortcut(pre)``;
-* there is no BN-ReLU after the last stage: average pooling and a linear head follow it.
-
-Four stages of two blocks with widths 64, 128, 256, 512 and strides 1, 2, 2, 2. At 32x32 (and
-28x28) the last stage is 4x4, so the global average pooling used here equals the reference's
-4x4 average pooling. Written from that description; ``tests/models/test_preact_resnet.py``
-checks the layer order and the parameter count against a transcription of the reference's
-structure. The stages are named ``layer1`` ... ``layer4`` (the default LP-A3 feature layers, as
-the authors' PES code uses the four stage outputs); every BatchNorm is an ``nn.BatchNorm2d``, so
-:func:`lpa3_lightning.core.dual_bn.convert_dual_bn` gives each a twin.
+"""PreAct ResNet-18 (He et al., ECCV 2016), the noisy-label backbone of DivideMix, PES and LP-A3's
+noisy-label rows (32x32 and 28x28 images), as in those methods' code (tmllab/2021_NeurIPS_PES
+``networks/ResNet.py``, LiJunnan1992/DivideMix ``PreResNet.py``), which departs from the paper's: a 3x3 stem
+with BN and ReLU; blocks ``conv2(relu(bn2(conv1(pre)))) + shortcut(pre)``, ``pre = relu(bn1(x))`` (the
+shortcut a bias-free 1x1 convolution when the shape changes); no BN-ReLU after the last stage, then global
+average pooling and a linear head. The stages ``layer1`` ... ``layer4`` are LP-A3's default feature layers.
 """
 
 from __future__ import annotations
@@ -34,8 +20,8 @@ class _PreActBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
-        self.shortcut = nn.Identity() if in_ch == out_ch and stride == 1 else \
-            nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
+        same = in_ch == out_ch and stride == 1
+        self.shortcut = nn.Identity() if same else nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
         self.relu = nn.ReLU()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -44,12 +30,15 @@ class _PreActBlock(nn.Module):
 
 
 class PreActResNet(nn.Module):
-    """PreAct ResNet with basic blocks, as in DivideMix's and PES's reference code.
+    """PreAct ResNet with basic blocks (widths 64, 128, 256, 512; strides 1, 2, 2, 2).
 
     Args:
         blocks: blocks per stage (``(2, 2, 2, 2)`` for ResNet-18).
         num_classes: output classes.
         in_channels: input channels.
+
+    Raises:
+        ValueError: if ``blocks`` is not four positive ints.
 
     Example:
         >>> import torch
@@ -64,8 +53,8 @@ class PreActResNet(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU()
-        widths, in_ch = (64, 128, 256, 512), 64
-        for stage, (width, count) in enumerate(zip(widths, blocks), start=1):
+        in_ch = 64
+        for stage, (width, count) in enumerate(zip((64, 128, 256, 512), blocks), start=1):
             layers = []
             for i in range(count):
                 layers.append(_PreActBlock(in_ch, width, 2 if (i == 0 and stage > 1) else 1))

@@ -1,10 +1,8 @@
 """ResNet-18 / ResNet-50 for 28x28 MedMNIST images, built on torchvision.
 
-The MedMNIST v2 benchmark (Yang et al., Scientific Data 2023) trains ResNets at 28 px with
-a CIFAR-style stem: a 3x3 stride-1 first convolution and no max-pooling, so the 28x28 input
-is not shrunk to 7x7 before the first stage. The rest is torchvision's ResNet unchanged,
-so the residual stages keep their names ``layer1`` ... ``layer4`` (the default LP-A3
-feature layers, :func:`lpa3_lightning.core.feature_layers.default_feature_layers`).
+The MedMNIST v2 benchmark (Yang et al., Scientific Data 2023) trains ResNets at 28 px with a CIFAR-style
+stem (a 3x3 stride-1 first convolution, no max-pooling: the input is not shrunk to 7x7 before the first
+stage); the rest is torchvision's ResNet, whose stages ``layer1`` ... ``layer4`` are LP-A3's feature layers.
 """
 
 from __future__ import annotations
@@ -46,10 +44,10 @@ def medmnist_resnet(arch: str = "resnet18", in_channels: int = 1, num_classes: i
 
 
 def resnet18_medmnist(in_channels: int = 1, num_classes: int = 2) -> ResNet:
-    """ResNet-18 with the MedMNIST 28 px stem (see :func:`medmnist_resnet`)."""
+    """ResNet-18 with the MedMNIST 28 px stem (:func:`medmnist_resnet`)."""
     return medmnist_resnet("resnet18", in_channels, num_classes)
 
 
 def resnet50_medmnist(in_channels: int = 1, num_classes: int = 2) -> ResNet:
-    """ResNet-50 with the MedMNIST 28 px stem (see :func:`medmnist_resnet`)."""
+    """ResNet-50 with the MedMNIST 28 px stem (:func:`medmnist_resnet`)."""
     return medmnist_resnet("resnet50", in_channels, num_classes)

@@ -1,16 +1,9 @@
 """A small CNN with BatchNorm for 28x28 and 32x32 images, for CPU-scale runs (MNIST-5k, MedMNIST).
 
-Three stages, each conv3x3-BN-ReLU, the first two followed by 2x2 max pooling (28 -> 14 -> 7,
-32 -> 16 -> 8), with widths ``w, 2w, 4w``; then average pooling to a ``pool_size`` x ``pool_size``
-grid (4 x 4 by default) and a linear head. No dropout. Why a grid and not one global average:
-digits are told apart by where their strokes are, and a global average throws that away; on
-clean MNIST-5k (batch 64, SGD 0.02) the 4 x 4 head reaches 0.88 test accuracy after one epoch
-and 0.96 after two, where the global average (``pool_size=1``) reaches 0.61 and 0.76
-(measured with a script removed after commit 84cc9d8, ``benchmarks/small_cnn_head.py``), and the CPU-scale semi-supervised and noisy-label
-runs depend on a network that learns that fast. The stages are named ``block1``, ``block2``, ``block3``, so LP-A3's default feature
-layers (:func:`lpa3_lightning.core.feature_layers.default_feature_layers`) are their outputs, as for the
-Wide-ResNets. Every BatchNorm is an ``nn.BatchNorm2d``, so
-:func:`lpa3_lightning.core.dual_bn.convert_dual_bn` gives each a twin.
+Three conv3x3-BN-ReLU stages ``block1`` ... ``block3`` (widths ``w, 2w, 4w``, 2x2 max pooling after the
+first two; LP-A3's default feature layers), average pooling to a ``pool_size`` x ``pool_size`` grid, a
+linear head, no dropout. The grid keeps where the strokes are: on clean MNIST-5k the 4 x 4 head reached
+0.88 test accuracy after one epoch where one global average (``pool_size=1``) reached 0.61.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""Wide-ResNet-28-k (Zagoruyko & Komodakis, BMVC 2016), the backbone family of FixMatch and
-LP-A3's CIFAR rows, and its four-stage variant WRN-37-2 (LP-A3's STL-10 row).
+"""Wide-ResNet-28-k (Zagoruyko & Komodakis, BMVC 2016), FixMatch's and LP-A3's CIFAR backbone, and its
+four-stage variant WRN-37-2 (LP-A3's STL-10 row), as in the FixMatch code the LP-A3 authors built on
+(kekmodel/FixMatch-pytorch ``models/wideresnet.py``).
 
-The function is the one of the FixMatch code the LP-A3 authors built on (kekmodel/FixMatch-pytorch
-``models/wideresnet.py``; the LP-A3 authors' ``FixMatch/models/wideresnet.py``, classes
-``BasicBlock``, ``WideResNet`` and ``WideResNetVar``), written here from this description:
-
-* a 3x3 stem convolution, then stages of ``(depth - 4) / 6`` pre-activation basic blocks
-  (BN-LeakyReLU(0.1)-conv3x3, twice) with widths ``16k, 32k, 64k`` (and ``128k`` in the
-  four-stage variant), strides 1, 2, 2 (, 2), then BN-LeakyReLU, global average pooling and a
-  linear head;
-* a block whose input and output widths agree adds its input to ``conv2(...(conv1(pre)))``
-  with ``pre = act(bn1(x))``;
-* the first block of the first stage pre-activates its input for both its convolution and its
-  1x1 shortcut; the first blocks of the later stages apply their first convolution and their
-  shortcut to the raw input. (The reference computes ``act(bn1(x))`` there too and discards
-  it; that BN is left out here, so each of those blocks has ``2 * in_channels`` parameters
-  fewer than the reference's, and the function is the same. An unused BN would also break DDP,
-  whose every parameter must receive a gradient.)
-* BatchNorm momentum 0.001; convolutions initialised Kaiming-normal (fan out, leaky ReLU),
-  BatchNorms to (1, 0), the linear head Xavier-normal with zero bias.
-
-The stages are named ``block1``, ``block2``, ... : the default LP-A3 feature layers
-(:func:`lpa3_lightning.core.feature_layers.default_feature_layers`), as the authors use the stage outputs.
+A 3x3 stem; stages ``block1``, ``block2``, ... (the default LP-A3 feature layers) of ``(depth - 4) / 6``
+pre-activation blocks (BN-LeakyReLU(0.1)-conv3x3, twice), widths ``16k, 32k, 64k`` (``128k``), strides 1, 2,
+2 (2); BN-LeakyReLU, global average pooling, a linear head. The first stage's first block pre-activates
+its input for its convolution and 1x1 shortcut; the later stages' first blocks take the raw input (the
+reference computes their ``bn1`` and discards it: left out, as an unused BN breaks DDP). BN momentum 0.001.
 """
 
 from __future__ import annotations
@@ -34,28 +19,23 @@ BN_MOMENTUM = 0.001
 
 
 class _Block(nn.Module):
-    """One basic block; ``first_of_stage`` chooses where a width change takes its input from
-    (``"preactivated"`` for the first stage's first block, ``"raw"`` for the later stages')."""
+    """A basic block; a width change takes the pre-activated input (``first_of_stage="preactivated"``) or the raw."""
 
     def __init__(self, in_ch: int, out_ch: int, stride: int, dropout: float, first_of_stage: str | None) -> None:
         super().__init__()
-        self.changes_width = in_ch != out_ch
-        self.raw_input = self.changes_width and first_of_stage == "raw"
-        # the reference's bn1 of a raw-input block is computed and discarded: left out here
-        self.bn1 = None if self.raw_input else nn.BatchNorm2d(in_ch, momentum=BN_MOMENTUM)
+        changes_width = in_ch != out_ch
+        self.bn1 = None if changes_width and first_of_stage == "raw" else nn.BatchNorm2d(in_ch, momentum=BN_MOMENTUM)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch, momentum=BN_MOMENTUM)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.shortcut = nn.Conv2d(in_ch, out_ch, 1, stride, bias=False) if self.changes_width else None
+        self.shortcut = nn.Conv2d(in_ch, out_ch, 1, stride, bias=False) if changes_width else None
         self.act = nn.LeakyReLU(0.1)
 
     def forward(self, x: Tensor) -> Tensor:
         source = x if self.bn1 is None else self.act(self.bn1(x))
         out = self.conv2(self.drop(self.act(self.bn2(self.conv1(source)))))
-        if self.shortcut is None:
-            return out + x
-        return out + self.shortcut(source)
+        return out + (x if self.shortcut is None else self.shortcut(source))
 
 
 class WideResNet(nn.Module):
@@ -68,6 +48,9 @@ class WideResNet(nn.Module):
         in_channels: input channels.
         dropout: dropout inside blocks (0 in FixMatch).
         stages: 3 (WRN-28-k) or 4 (the four-stage variant: WRN-37-2 at depth 28, width 2).
+
+    Raises:
+        ValueError: for a ``depth`` that is not 6n + 4 or ``stages`` other than 3 or 4.
 
     Example:
         >>> import torch
@@ -86,8 +69,10 @@ class WideResNet(nn.Module):
         widths = [16] + [16 * width * 2**s for s in range(stages)]
         self.conv = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)
         for s in range(stages):
-            setattr(self, f"block{s + 1}", self._stage(widths[s], widths[s + 1], n, 1 if s == 0 else 2, dropout,
-                                                       "preactivated" if s == 0 else "raw"))
+            first = "preactivated" if s == 0 else "raw"
+            blocks = [_Block(widths[s], widths[s + 1], 1 if s == 0 else 2, dropout, first)]
+            blocks += [_Block(widths[s + 1], widths[s + 1], 1, dropout, None) for _ in range(n - 1)]
+            setattr(self, f"block{s + 1}", nn.Sequential(*blocks))
         self.stages = stages
         self.bn = nn.BatchNorm2d(widths[-1], momentum=BN_MOMENTUM)
         self.act = nn.LeakyReLU(0.1)
@@ -96,17 +81,9 @@ class WideResNet(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="leaky_relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
+            elif isinstance(m, (nn.BatchNorm2d, nn.Linear)):  # BN (1, 0); the head Xavier-normal, zero bias
+                nn.init.ones_(m.weight) if isinstance(m, nn.BatchNorm2d) else nn.init.xavier_normal_(m.weight)
                 nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.xavier_normal_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    @staticmethod
-    def _stage(in_ch: int, out_ch: int, n: int, stride: int, dropout: float, first: str) -> nn.Sequential:
-        return nn.Sequential(*[_Block(in_ch if i == 0 else out_ch, out_ch, stride if i == 0 else 1, dropout,
-                                      first if i == 0 else None) for i in range(n)])
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.conv(x)
@@ -126,6 +103,5 @@ def wrn28_8(num_classes: int = 100, in_channels: int = 3) -> WideResNet:
 
 
 def wrn37_2(num_classes: int = 10, in_channels: int = 3) -> WideResNet:
-    """WRN-37-2: four stages of four blocks (widths 32, 64, 128, 256), LP-A3's STL-10 backbone
-    (the LP-A3 authors' ``WideResNetVar`` at depth 28, width 2)."""
+    """WRN-37-2: four stages of four blocks (widths 32, 64, 128, 256), LP-A3's STL-10 backbone."""
     return WideResNet(num_classes, 28, 2, in_channels, stages=4)
