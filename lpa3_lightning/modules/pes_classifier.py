@@ -9,74 +9,44 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lpa3_lightning.core.dual_bn import convert_dual_bn
-from lpa3_lightning.methods.base import split_indexed_batch
 from lpa3_lightning.methods.noisy_training import (
-    adopt_training_set_size,
     anchor_twins_without_callback,
     lpa3_callbacks,
-    release_twins,
     warn_unbalanced_batches,
     whole_training_set_loader,
 )
 from lpa3_lightning.methods.pes import PESLPA3Mixin
-from lpa3_lightning.methods.settings import PESSettings, settings_from, settings_hparams
-from lpa3_lightning.modules.classifier import (
-    check_datamodule_agrees,
-    check_network_record,
-    ready_hparams,
-    resolve_network,
-    save_network_record,
-    save_ready_hparams,
-)
-from lpa3_lightning.modules.fixmatch_classifier import build_ssl_backbone
+from lpa3_lightning.methods.settings import PESSettings
+from lpa3_lightning.modules.ready import ReadyModule, build_ssl_backbone, ready_hparams
 
 __all__ = ["PESClassifier"]
 
 
-class PESClassifier(PESLPA3Mixin, pl.LightningModule):
+class PESClassifier(ReadyModule, PESLPA3Mixin, pl.LightningModule):
     """PES (Bai et al., NeurIPS 2021) with the authors' recipe; add ``LPA3Callback`` for LP-A3.
 
-    The phases and the loss are :class:`~lpa3_lightning.mixins.PESLPA3Mixin`'s. Optimisation
-    (manual, two optimizers): SGD (lr 0.02, momentum 0.9, weight decay 5e-4) with cosine
-    annealing to ``lr / 100`` over the epochs outside the refine phase, stepped once an epoch,
-    for the early and semi-supervised phases; Adam (lr 1e-4) on the re-initialised head alone in
-    the refine phase (the other weights stay; the forward runs in train mode, so BatchNorm running
-    statistics keep following the batches). The head is re-initialised in place, so SGD trains it
-    in the semi-supervised phase, from fresh momentum (the authors' script builds its SGD before
-    swapping in a new head, which is then never updated; ``freeze_head_in_semi=True`` reproduces
-    that). In the refine phase every parameter gets its gradient (so DDP needs no unused-parameter
-    search) and Adam applies the head's; the other weights stay as the early phase left them. Training
-    batches are ``(x_view1, x_view2, noisy_label, index)``; validation and test batches
-    ``(x, y, index)`` with clean labels. Logs ``train/loss``, its parts, ``train/labeled_share``,
-    ``val/acc``, ``test/acc`` (torchmetrics) and, each semi-supervised epoch,
-    ``pes/guess_top_class_share`` (the largest class's share of the epoch's guessed labels; a
-    warning when most are of one class while the labeled set holds several). ``LPA3Callback`` needs no warm-up: it solves
-    ``x'`` from the semi phase on, where they are trained, and its memory learns before.
+    :class:`~lpa3_lightning.mixins.PESLPA3Mixin`'s phases and loss: SGD (cosine-annealed to ``lr / 100`` over the
+    epochs outside the refine phase) in the early and semi phases, Adam on the re-initialised head in the
+    refine phase. Batches ``(x_view1, x_view2, noisy_label, index)``, evaluation batches ``(x, y, index)``.
+    Logs ``train/loss`` and its parts, ``val/acc``, ``test/acc``, each semi epoch ``pes/guess_top_class_share``.
 
     Args:
-        arch: ``"small_cnn"``, ``"preact_resnet18"`` (the paper's noisy-label backbone), ``"wrn28_2"``
-            or ``"wrn28_8"`` (see ``build_ssl_backbone``).
+        arch: ``"small_cnn"``, ``"preact_resnet18"`` (the paper's), ``"wrn28_2"`` or ``"wrn28_8"``.
         in_channels: image channels.
         num_classes: classes.
-        num_samples: training set size (the split and the TCS memory are over it); None: the data
-            module's ``num_train`` (needed without a data module).
+        num_samples: training-set size; None: the data module's ``num_train``.
         lr: SGD learning rate (0.02).
         momentum: SGD momentum (0.9).
         weight_decay: SGD weight decay (5e-4).
         refine_lr: Adam learning rate of the head in the refine phase (1e-4).
-        pes: the mixin's settings (:class:`~lpa3_lightning.methods.settings.PESSettings`: T1
-            ``early_epochs`` 20 (35 on CIFAR-100), T2 ``refine_epochs`` 5, ``lambda_u`` 150,
-            ``temperature`` 0.5, mixup's ``alpha`` 4 and ``alpha_late`` 0.75 from
-            ``alpha_late_epoch``, ``rampup_epochs`` 16, ``class_weight_cap`` 3, ``lpa3_mixup``,
-            ``lpa3_confidence``, ``guess_forward``, ``train_forward``), or a mapping of its fields; None: the
-            defaults. Here ``alpha_late_epoch=None`` is half-way through the epochs outside the
-            refine phase (the authors' epoch 150 of 300) and a negative value never switches. In a
-            YAML config, ``pes:`` with the fields under it.
+        pes: the mixin's :class:`~lpa3_lightning.methods.settings.PESSettings`, a mapping of their fields, or
+            None: the defaults. ``alpha_late_epoch=None``: half of the epochs outside the refine phase.
         freeze_head_in_semi: keep the refined head fixed in the semi phase (the authors' script).
         twin_bn: give every BatchNorm a twin for ``x'`` (the authors' choice).
-        model: use this network instead of building ``arch``, or its class-path config (kept in the
-            checkpoint, as :class:`~lpa3_lightning.LPA3Classifier`'s ``model``).
+        model: this network instead of ``arch``, or its class-path config (as ``LPA3Classifier``'s).
+
+    Raises:
+        ValueError: for a bad argument, or at fit start ``pes.lambda_u=0`` with ``LPA3Callback``, naming the fix.
 
     Example:
         >>> module = PESClassifier(num_classes=10, num_samples=4000)
@@ -84,57 +54,17 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         ('early', 'refine', 'semi')
     """
 
-    def __init__(
-        self,
-        arch: str = "small_cnn",
-        in_channels: int = 1,
-        num_classes: int = 10,
-        num_samples: int | None = None,
-        lr: float = 0.02,
-        momentum: float = 0.9,
-        weight_decay: float = 5e-4,
-        refine_lr: float = 1e-4,
-        pes: PESSettings | None = None,
-        freeze_head_in_semi: bool = False,
-        twin_bn: bool = True,
-        model: nn.Module | None = None,
-    ) -> None:
+    def __init__(self, arch: str = "small_cnn", in_channels: int = 1, num_classes: int = 10,
+                 num_samples: int | None = None, lr: float = 0.02, momentum: float = 0.9, weight_decay: float = 5e-4,
+                 refine_lr: float = 1e-4, pes: PESSettings | None = None, freeze_head_in_semi: bool = False,
+                 twin_bn: bool = True, model: nn.Module | None = None) -> None:
         super().__init__()
-        for name, value, low in [("num_classes", num_classes, 2)] + ([("num_samples", num_samples, 2)]
-                                                                      if num_samples is not None else []):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}. Fix: e.g. num_classes=10, "
-                                 "num_samples=<training set size>.")
-        for name, value in (("lr", lr), ("refine_lr", refine_lr)):
-            if not value > 0:
-                raise ValueError(f"`{name}` must be > 0, got {value!r}. Fix: use lr=0.02 and refine_lr=1e-4 (PES).")
-        self.lpa3_settings = settings_from(PESSettings, pes, "pes")
-        net, given = resolve_network(model, lambda: build_ssl_backbone(arch, in_channels, num_classes))
-        # the effective settings as a mapping of their fields (None: the defaults), for hparams.yaml,
-        # TensorBoard and load_from_checkpoint (which rebuilds the dataclass from it)
-        save_ready_hparams(self, {"arch": arch, "in_channels": in_channels, "num_classes": num_classes,
-                                  "num_samples": num_samples, "lr": lr, "momentum": momentum,
-                                  "weight_decay": weight_decay, "refine_lr": refine_lr,
-                                  "freeze_head_in_semi": freeze_head_in_semi, "twin_bn": twin_bn, "model": model},
-                           ("pes", settings_hparams(self.lpa3_settings)), given)
+        self.model = self.ready_init("pes", "use lr=0.02 and refine_lr=1e-4 (PES)",
+                                     lambda: build_ssl_backbone(arch, in_channels, num_classes))
         self.automatic_optimization = False
-        self.model = convert_dual_bn(net) if twin_bn else net
-        self.lpa3_num_classes = num_classes
-        self.lpa3_num_samples = num_samples
-        self._alpha_late_start: int | None = None  # from alpha_late_epoch and the run's length, at fit start
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
-    def setup(self, stage: str) -> None:
-        adopt_training_set_size(self, check_datamodule_agrees(self, ("num_classes", "in_channels"), "PESClassifier"))
-
-    def lpa3_model(self) -> nn.Module:
-        return self.model
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.model(x)
-
-    # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
         hp = ready_hparams(self)
         sgd = torch.optim.SGD(self.model.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
@@ -146,8 +76,7 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._pes_sizes()  # a missing training-set size is named now, not at the semi phase
-        if self.lpa3_settings.lambda_u == 0 and lpa3_callbacks(self.trainer):
-            # x' are weighted like the unlabeled loss (lambda_u x ramp), so each attack would train nothing
+        if self.lpa3_settings.lambda_u == 0 and lpa3_callbacks(self.trainer):  # (x' are weighted by lambda_u)
             raise ValueError("LPA3Callback is attached but pes.lambda_u=0, the weight of the x' term, so every "
                              "attack would train nothing. Fix: pass pes.lambda_u > 0 (e.g. 25, or PES's 150), or "
                              "drop the callback.")
@@ -155,16 +84,11 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         counted = (self.trainer.max_epochs or 0) - refine  # the authors' refine epochs are not outer epochs
         self._alpha_late_start = (refine + counted // 2 if counted > 0 else None) if start is None \
             else (None if start < 0 else start)
-        self._anchored = anchor_twins_without_callback(self.trainer, [self.model])
+        self._anchored = [self.model] if anchor_twins_without_callback(self.trainer, [self.model]) else []
 
     def pes_alpha_late_start(self) -> int | None:
-        """The first epoch of ``alpha_late`` as resolved at fit start: ``alpha_late_epoch``, for None
-        half of the run outside the refine phase, for a negative value never (None before a fit)."""
-        return self._alpha_late_start
-
-    def on_fit_end(self) -> None:
-        if getattr(self, "_anchored", False):
-            release_twins([self.model])
+        """The first epoch of ``alpha_late``, resolved at fit start (None: never, or before a fit)."""
+        return getattr(self, "_alpha_late_start", None)
 
     def on_train_epoch_start(self) -> None:
         epoch = self.current_epoch
@@ -181,47 +105,29 @@ class PESClassifier(PESLPA3Mixin, pl.LightningModule):
         loss, parts = self.pes_loss(batch, batch_idx)  # the ramp-up reads the trainer's batches per epoch
         sgd, adam = self.optimizers()  # type: ignore[misc]
         phase = self.pes_phase(self.current_epoch)
-        # refine: every parameter gets its gradient (DDP needs them all in the graph), Adam
-        # updates the head only; the rest stays as the early phase left it
-        optimizer = adam if phase == "refine" else sgd
         sgd.zero_grad()
         adam.zero_grad()
         self.manual_backward(loss)
         if phase == "semi" and ready_hparams(self).freeze_head_in_semi:
             for p in self.pes_head().parameters():
                 p.grad = None
-        optimizer.step()
+        (adam if phase == "refine" else sgd).step()  # refine: the head only, the rest as the early phase left it
         self.log("train/loss", loss.detach(), prog_bar=True)
-        for name, value in parts.items():
-            self.log(f"train/{name}", value.float())
+        self.log_dict({f"train/{name}": value.float() for name, value in parts.items()})
         return loss.detach()
 
     def on_train_epoch_end(self) -> None:
         phase = self.pes_phase(self.current_epoch)
-        if phase == "semi":  # the largest class's share of the epoch's guessed labels (a warning if they collapse)
-            for name, value in self.pes_guess_report().items():
-                self.log(name, value, sync_dist=True)  # (the same on every rank: the counts are all-reduced)
+        if phase == "semi":
+            self.log_dict(self.pes_guess_report(), sync_dist=True)  # (all-reduced: the same on every rank)
         if phase != "refine":
-            scheduler = self.lr_schedulers()
-            scheduler.step()  # type: ignore[union-attr]
+            self.lr_schedulers().step()  # type: ignore[union-attr]
 
-    # ------------------------------------------------------------------ evaluation
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y, _ = split_indexed_batch(batch)
-        self.val_acc(self.model(x), y)
-        self.log("val/acc", self.val_acc, prog_bar=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y, _ = split_indexed_batch(batch)
-        self.test_acc(self.model(x), y)
-        self.log("test/acc", self.test_acc)
-
-    # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["pes_split"] = self.pes_state_dict()
-        save_network_record(self, checkpoint, self.model)
+        super().on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_network_record(self, checkpoint, self.model)
+        super().on_load_checkpoint(checkpoint)
         if "pes_split" in checkpoint:
             self.pes_load_state_dict(checkpoint["pes_split"])

@@ -344,7 +344,7 @@ def test_show_rebuilds_an_older_checkpoints_network_from_the_runs_config_yaml(tm
 
 
 def test_show_names_the_fix_for_a_network_given_as_an_object(tmp_path, capsys):
-    from tests.modules.test_saved_network import Net
+    from tests.modules.test_ready import Net
 
     pl.seed_everything(0)
     module = LPA3Classifier(num_classes=2, in_channels=1, model=Net(1, 2, 4))
@@ -355,7 +355,7 @@ def test_show_names_the_fix_for_a_network_given_as_an_object(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["show", "--ckpt", str(tmp_path / "m.ckpt"), "--out", str(tmp_path / "show.png")])
     err = " ".join(capsys.readouterr().err.split())
-    assert "test_saved_network.Net, was given to LPA3Classifier as an object" in err
+    assert "test_ready.Net, was given to LPA3Classifier as an object" in err
     assert "Fix for lpa3 show: train with `model` given as a class-path config" in err
 
 

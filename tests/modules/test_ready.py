@@ -15,7 +15,7 @@ from torch import nn
 from lpa3_lightning import DivideMixClassifier, FixMatchClassifier, LPA3Classifier, PESClassifier
 from lpa3_lightning.cli import main
 
-NET = "tests.modules.test_saved_network.Net"
+NET = "tests.modules.test_ready.Net"
 
 
 class Net(nn.Module):
@@ -138,7 +138,7 @@ def test_lpa3_fit_with_a_class_path_network_saves_it_and_resumes(tmp_path):
 def test_a_subclass_of_a_ready_module_fits_from_the_command_line_and_its_checkpoint_loads(tmp_path):
     """``lpa3 fit --model my.Subclass``: LightningCLI saves only the subclass's arguments, and the parent's
     recipe (``num_classes``, ``weight_decay``, ...) was read from them (a KeyError)."""
-    model = ["--model", "tests.modules.test_saved_network.WideClassifier", "--model.init_args.width=6"]
+    model = ["--model", "tests.modules.test_ready.WideClassifier", "--model.init_args.width=6"]
     ckpt = _fit(tmp_path, model, "--trainer.max_epochs=1")
     checkpoint = torch.load(ckpt, weights_only=False)
     assert checkpoint["optimizer_states"][0]["param_groups"][0]["weight_decay"] == 1e-4  # the parent's recipe
@@ -179,3 +179,47 @@ def test_each_ready_module_reads_its_recipe_when_the_cli_saved_only_a_subclasss_
     optimizers = module.configure_optimizers()
     first = optimizers[0][0] if isinstance(optimizers, tuple) else optimizers["optimizer"]
     assert max(group["weight_decay"] for group in first.param_groups) == 1e-3
+
+
+def test_the_backbones_by_name_and_an_unknown_arch_listing_the_choices():
+    from lpa3_lightning.models import PreActResNet, SmallCNN, WideResNet
+    from lpa3_lightning.modules.fixmatch_classifier import ARCHS, build_ssl_backbone  # (where they were imported from)
+    from lpa3_lightning.modules.ready import build_ssl_backbone as shared
+
+    assert shared is build_ssl_backbone
+    kinds = {"small_cnn": SmallCNN, "wrn28_2": WideResNet, "wrn28_8": WideResNet, "wrn37_2": WideResNet,
+             "preact_resnet18": PreActResNet}
+    assert set(ARCHS) == set(kinds)
+    for arch in ("small_cnn", "wrn28_2", "preact_resnet18"):
+        net = build_ssl_backbone(arch, 1, 4)
+        assert isinstance(net, kinds[arch]) and tuple(net(torch.zeros(2, 1, 32, 32)).shape) == (2, 4)
+    with pytest.raises(ValueError, match=r"`arch` must be one of .*'wrn37_2'.*got 'vgg'.*Fix"):
+        build_ssl_backbone("vgg", 1, 4)
+
+
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (LPA3Classifier, {"lr": 0.0}, r"`lr` must be > 0, got 0.0. Fix: use 1e-3"),
+    (FixMatchClassifier, {"lr": float("nan")}, r"`lr` must be > 0, got nan. Fix: use 0.03"),
+    (PESClassifier, {"refine_lr": -1.0}, r"`refine_lr` must be > 0, got -1.0. Fix: use lr=0.02 and refine_lr=1e-4"),
+    (PESClassifier, {"num_classes": 1}, r"`num_classes` must be an int >= 2, got 1. Fix"),
+    (DivideMixClassifier, {"num_samples": True}, r"`num_samples` must be an int >= 2, got True. Fix"),
+    (DivideMixClassifier, {"num_classes": None}, r"`num_classes` must be an int >= 2, got None. Fix"),
+])
+def test_each_ready_module_refuses_a_bad_size_or_rate_naming_it_and_the_fix(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_a_data_module_that_disagrees_is_refused_naming_the_ready_class_and_the_fix():
+    module = WideClassifier(width=4)  # (a subclass: the fix names the ready class it takes the argument of)
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(num_classes=5, in_channels=1))
+    with pytest.raises(ValueError, match=r"num_classes=5 but the model was built with num_classes=3\. Fix: pass "
+                                         r"`--model.init_args.num_classes 5` \(or LPA3Classifier\(num_classes=5\)\)"):
+        module.setup("fit")
+
+
+def test_the_shared_names_are_still_imported_from_the_classifiers_module():
+    from lpa3_lightning.modules import classifier, ready
+
+    for name in ("NETWORK_RECORD", "NetworkNotSavedError", "build_network", "check_datamodule_agrees", "ready_hparams"):
+        assert getattr(classifier, name) is getattr(ready, name)
