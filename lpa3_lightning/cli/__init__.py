@@ -1,8 +1,6 @@
 """The ``lpa3`` command (LightningCLI over any module and data module), ``lpa3 show`` and ``lpa3 compare``.
 
-Each name loads with its module on first use: :mod:`lpa3_lightning.cli.paired` (the paired statistics)
-imports without Lightning.
-"""
+Each name loads with its module on first use; :mod:`lpa3_lightning.cli.paired` imports without Lightning."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ __all__ = ["LPA3CLI", "build_cli", "main"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        value = getattr(importlib.import_module("lpa3_lightning.cli.command"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lpa3_lightning.cli' has no attribute {name!r}")
+    if name not in __all__:
+        raise AttributeError(f"module 'lpa3_lightning.cli' has no attribute {name!r}")
+    globals()[name] = value = getattr(importlib.import_module("lpa3_lightning.cli.command"), name)
+    return value

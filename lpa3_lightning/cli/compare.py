@@ -1,30 +1,21 @@
 """``lpa3 compare``: does LP-A3 help on your data, at what cost? One config, run with LP-A3 and with it
 off, on paired seeds; a JSON per run; the paired difference of every test metric with its interval.
 
-    lpa3 compare --config my.yaml --seeds 0 1 2 3 4 --out runs/compare [--jobs 2] [--threads 1]
-                 [fit overrides, e.g. --trainer.max_epochs 20]
-
-Each seed runs the config twice: as given (arm ``lpa3``) and with every ``LPA3Callback`` switched off
-(arm ``off``: ``augment="off"``, which spends no forward and leaves every batch untouched, so the run is
-the config without LP-A3). The seed is the run's ``seed_everything`` (the initial weights) and, where the
-data module takes one, its ``seed`` (the labeled split, the label noise): both arms of a seed share them,
-and the difference of the two arms on a seed cancels what the seed changes. Each run is ``lpa3 fit``
-followed by a test of the checkpoint ``lpa3 fit --test_after_fit`` tests (the best one, or the final
-weights), in a process of its own with ``--threads`` torch threads, ``--jobs`` at a time; it writes
-``<out>/<arm>_seed<S>.json`` (the config files and overrides, the seed, the arm, every test metric, the
-fit's and the test's wall seconds, the package's version and commit) and its log ``<out>/logs/``. A run
-whose JSON exists is not run again, so a stopped comparison resumes; a run that fails is named with its
-log and the others go on (the command then exits 1). The summary: each seed's metrics, then per test
-metric the mean difference ``lpa3 - off`` with its 95% Student-t interval and verdict
-(:mod:`lpa3_lightning.cli.paired`: none for fewer than 3 seeds or no spread), the seeds a 1- and a
-2-point difference would need at the printed spread, and the wall-time ratio.
+Each seed runs the config as given (arm ``lpa3``) and with every ``LPA3Callback`` off (arm ``off``:
+``augment="off"``, the config without LP-A3), both seeding ``seed_everything`` and the data module's ``seed``
+(the split, the noise) with it, so their difference cancels what the seed changes. A run (``lpa3 fit``, then a
+test as ``--test_after_fit``'s) is a process of its own, ``--jobs`` at a time with ``--threads`` torch threads,
+and writes ``<out>/<arm>_seed<S>.json`` (configs, overrides, seed, arm, test metrics, wall seconds, version,
+commit) and ``<out>/logs/<arm>_seed<S>.log``. A run whose JSON exists is not run again (a stopped comparison
+resumes); a failed one is named with its log and the command exits 1. The summary: each seed's metrics, per
+test metric the mean ``lpa3 - off``, its 95% Student-t interval and verdict (:mod:`lpa3_lightning.cli.paired`),
+the seeds a 1- and a 2-point difference need, and the wall-time ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -33,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +41,6 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}_seed{seed}"
 
 
-# ---------------------------------------------------------------------------------------- one run
 def _yaml_configs(configs: Sequence[str]) -> dict[str, Any]:
     """The configs' top-level keys merged in order (later files win, as LightningCLI merges them)."""
     import yaml
@@ -61,39 +52,30 @@ def _yaml_configs(configs: Sequence[str]) -> dict[str, Any]:
             raise SystemExit(f"lpa3 compare: error: --config {path} holds no mapping of settings. Fix: pass a YAML "
                              "config of `lpa3 fit`.")
         for key, value in loaded.items():
-            if isinstance(value, dict) and isinstance(merged.get(key), dict):
-                merged[key] = {**merged[key], **value}
-            else:
-                merged[key] = value
+            both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+            merged[key] = {**merged[key], **value} if both else value
     return merged
 
 
 def _data_parameters(config: dict[str, Any], overrides: Sequence[str]) -> set[str]:
-    """The ``__init__`` parameters of the run's data module class (from the overrides' ``--data``, else the
-    config's ``data.class_path``); empty when it names none or does not import."""
-    path = None
+    """The ``__init__`` parameters of the run's data module class (the overrides' ``--data``, else the config's
+    ``data.class_path``); empty when it names none or does not import."""
+    from lpa3_lightning.cli.parser import import_class
+
     data = config.get("data")
-    if isinstance(data, dict):
-        path = data.get("class_path")
+    path = data.get("class_path") if isinstance(data, dict) else None
     for k, item in enumerate(overrides):
         if item.startswith("--data="):
             path = item.split("=", 1)[1]
         elif item in ("--data", "--data.class_path") and k + 1 < len(overrides):
             path = overrides[k + 1]
-    if not isinstance(path, str) or "." not in path:
-        return set()
-    module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return set()
-    return set(inspect.signature(cls.__init__).parameters) - {"self"}
+    cls = import_class(path) if isinstance(path, str) else None
+    return set(inspect.signature(cls.__init__).parameters) - {"self"} if cls is not None else set()
 
 
 def run_arguments(configs: Sequence[str], overrides: Sequence[str], arm: str, seed: int, folder: Path) -> list[str]:
-    """The ``lpa3 fit`` arguments of one run: the configs and overrides, then the seed, the run's folder for
-    the logs, checkpoints and the data module's split or noise file, and no test after the fit (the worker
-    tests, as ``--test_after_fit`` would)."""
+    """The ``lpa3 fit`` arguments of one run: the configs and overrides, then the seed, the run's folder (logs,
+    checkpoints, the data module's split or noise file), and no test after the fit (the worker tests)."""
     config = _yaml_configs(configs)
     args = [item for path in configs for item in ("--config", str(path))] + list(overrides)
     args += [f"--seed_everything={seed}", f"--trainer.default_root_dir={folder}", "--test_after_fit=false"]
@@ -119,31 +101,26 @@ def fingerprint(configs: Sequence[str], overrides: Sequence[str]) -> str:
 
 
 def worker(configs: Sequence[str], overrides: Sequence[str], arm: str, seed: int, out: Path, threads: int) -> None:
-    """One run in this process: fit, test, and (rank 0) its JSON."""
+    """One run in this process: fit, test, and (rank 0) its JSON, written whole or not at all."""
     import torch
 
     from lpa3_lightning import LPA3Callback, __version__
-    from lpa3_lightning.cli.command import build_cli
+    from lpa3_lightning.cli.command import build_cli, run_best_test
 
     torch.set_num_threads(threads)
-    folder = out / "runs" / run_name(arm, seed)
-    cli = build_cli(run_arguments(configs, overrides, arm, seed, folder), run=False)
+    cli = build_cli(run_arguments(configs, overrides, arm, seed, out / "runs" / run_name(arm, seed)), run=False)
     trainer = cli.trainer
     callbacks = [c for c in trainer.callbacks if isinstance(c, LPA3Callback)]
     if not callbacks:
         raise SystemExit("lpa3 compare: error: the config has no LPA3Callback in trainer.callbacks, so both arms would "
                          "be the same run. Fix: add `- class_path: lpa3_lightning.LPA3Callback` under "
                          "trainer.callbacks.")
-    if arm == "off":
-        for callback in callbacks:  # nothing else of the callback acts once it is off
-            callback.augment, callback.noise_norm = "off", None
+    for callback in callbacks if arm == "off" else ():  # (nothing else of a callback acts once it is off)
+        callback.augment, callback.noise_norm = "off", None
     started = time.perf_counter()
     trainer.fit(cli.model, datamodule=cli.datamodule)
-    fit_seconds = time.perf_counter() - started
-    checkpoint = getattr(trainer, "checkpoint_callback", None)
-    best = getattr(checkpoint, "best_model_path", "") if checkpoint is not None else ""
-    started = time.perf_counter()
-    results = trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path=best or None, verbose=False)
+    fit_seconds, started = time.perf_counter() - started, time.perf_counter()
+    results, best = run_best_test(trainer, cli.model, cli.datamodule, verbose=False)
     test_seconds = time.perf_counter() - started
     if trainer.is_global_zero:
         record = {"arm": arm, "seed": seed, "configs": [str(c) for c in configs], "overrides": list(overrides),
@@ -154,7 +131,7 @@ def worker(configs: Sequence[str], overrides: Sequence[str], arm: str, seed: int
         path = out / f"{run_name(arm, seed)}.json"
         partial = path.with_name(f".{path.name}.partial")
         partial.write_text(json.dumps(record, indent=1))
-        os.replace(partial, path)  # a JSON is whole or absent: a run stopped while writing runs again
+        os.replace(partial, path)  # (a run stopped while writing runs again)
 
 
 def _commit() -> str | None:
@@ -167,26 +144,31 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
-# ---------------------------------------------------------------------------------------- the comparison
-def _launch(configs: Sequence[str], overrides: Sequence[str], arm: str, seed: int, out: Path,
-            threads: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "lpa3_lightning.cli.compare", "--worker", arm, str(seed), "--out", str(out),
-               "--threads", str(threads), *[item for path in configs for item in ("--config", str(path))],
+def _run(args: argparse.Namespace, overrides: Sequence[str], arm: str, seed: int, at: int, total: int) -> str:
+    """One run in a process of its own, its output in its log; "" when it wrote its JSON, else its failure."""
+    name = run_name(arm, seed)
+    log, result = args.out / "logs" / f"{name}.log", args.out / f"{name}.json"
+    command = [sys.executable, "-m", "lpa3_lightning.cli.compare", "--worker", arm, str(seed), "--out", str(args.out),
+               "--threads", str(args.threads), *[item for path in args.config for item in ("--config", str(path))],
                "--", *overrides]
-    log = (out / "logs" / f"{run_name(arm, seed)}.log").open("w")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
-    job.log = log  # type: ignore[attr-defined]
-    return job
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    print(f"[{at}/{total}] start: arm {arm}, seed {seed}\n", end="", flush=True)  # (one write: runs share stdout)
+    started = time.perf_counter()
+    with log.open("w") as output:
+        code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()).returncode
+    if code != 0 or not result.exists():
+        print(f"[{at}/{total}] FAILED: arm {arm}, seed {seed}, exit {code}; its log: {log}\n", end="", flush=True)
+        return f"arm {arm}, seed {seed} (exit {code}; log: {log})"
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(json.loads(result.read_text())["metrics"].items()))
+    print(f"[{at}/{total}] done: arm {arm}, seed {seed} in {time.perf_counter() - started:.0f} s: "
+          f"{shown or 'no test metric'}\n", end="", flush=True)
+    return ""
 
 
 def load_runs(out: Path) -> dict[tuple[str, int], dict]:
     """Every run's JSON in ``out``, by (arm, seed)."""
-    runs = {}
-    for path in sorted(out.glob("*_seed*.json")):
-        record = json.loads(path.read_text())
-        runs[(record["arm"], int(record["seed"]))] = record
-    return runs
+    records = [json.loads(path.read_text()) for path in sorted(out.glob("*_seed*.json"))]
+    return {(record["arm"], int(record["seed"])): record for record in records}
 
 
 def summarize(runs: dict[tuple[str, int], dict], seeds: Sequence[int]) -> str:
@@ -227,16 +209,18 @@ def summarize(runs: dict[tuple[str, int], dict], seeds: Sequence[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``lpa3 compare`` (or, with ``--worker ARM SEED``, one of its runs); returns the exit code."""
     parser = argparse.ArgumentParser(prog="lpa3 compare", description=__doc__.split("\n\n")[0],
                                      usage="lpa3 compare --config FILE [--config FILE ...] --seeds S [S ...] --out DIR "
                                            "[--jobs N] [--threads T] [lpa3 fit overrides ...]")
-    parser.add_argument("--config", action="append", required=True, help="an `lpa3 fit` YAML config (repeatable)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="the paired seeds (3 or more for a verdict)")
-    parser.add_argument("--out", type=Path, required=True, help="folder of the runs' JSON, logs and checkpoints")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each in its own process)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
-    parser.add_argument("--summary-only", action="store_true", help="print the summary of the runs in --out")
-    parser.add_argument("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
+    add = parser.add_argument
+    add("--config", action="append", required=True, help="an `lpa3 fit` YAML config (repeatable)")
+    add("--seeds", type=int, nargs="+", default=None, help="the paired seeds (3 or more for a verdict)")
+    add("--out", type=Path, required=True, help="folder of the runs' JSON, logs and checkpoints")
+    add("--jobs", type=int, default=1, help="runs at a time (each in its own process)")
+    add("--threads", type=int, default=1, help="torch threads of each run")
+    add("--summary-only", action="store_true", help="print the summary of the runs in --out")
+    add("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     # everything after "--", or any option this parser does not know, goes to `lpa3 fit`
     own, fit_overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -259,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary_only:
         print(summarize(load_runs(args.out), args.seeds))
         return 0
-    planned = [(arm, seed) for seed in args.seeds for arm in ARMS]
-    done = load_runs(args.out)
+    planned, done = [(arm, seed) for seed in args.seeds for arm in ARMS], load_runs(args.out)
     mine = fingerprint(args.config, overrides)
     foreign = sorted(f"{run_name(*run)}.json" for run, record in done.items() if record.get("fingerprint") != mine)
     if foreign:
@@ -271,35 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lpa3 compare: {len(planned)} runs ({len(args.seeds)} seeds x arms {', '.join(ARMS)}), "
           f"{len(planned) - len(todo)} already in {args.out}, {len(todo)} to run, {args.jobs} at a time, "
           f"{args.threads} thread(s) each", flush=True)
-    failed: list[str] = []
-    running: list[tuple[subprocess.Popen, str, int, float, int]] = []
-    position = len(planned) - len(todo)
-    queue = list(todo)
-    while queue or running:
-        while queue and len(running) < args.jobs:
-            arm, seed = queue.pop(0)
-            position += 1
-            print(f"[{position}/{len(planned)}] start: arm {arm}, seed {seed}", flush=True)
-            running.append((_launch(args.config, overrides, arm, seed, args.out, args.threads), arm, seed,
-                            time.perf_counter(), position))
-        time.sleep(0.5)
-        for entry in list(running):
-            job, arm, seed, started, at = entry
-            if job.poll() is None:
-                continue
-            running.remove(entry)
-            job.log.close()  # type: ignore[attr-defined]
-            log = args.out / "logs" / f"{run_name(arm, seed)}.log"
-            result = args.out / f"{run_name(arm, seed)}.json"
-            if job.returncode != 0 or not result.exists():
-                failed.append(f"arm {arm}, seed {seed} (exit {job.returncode}; log: {log})")
-                print(f"[{at}/{len(planned)}] FAILED: arm {arm}, seed {seed}, exit {job.returncode}; its log: {log}",
-                      flush=True)
-                continue
-            metrics = json.loads(result.read_text())["metrics"]
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
-            print(f"[{at}/{len(planned)}] done: arm {arm}, seed {seed} in {time.perf_counter() - started:.0f} s: "
-                  f"{shown or 'no test metric'}", flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:  # (a run at a time per thread, each in its own process)
+        failed = [failure for failure in pool.map(lambda job: _run(args, overrides, *job[1], job[0], len(planned)),
+                                                  enumerate(todo, start=len(planned) - len(todo) + 1)) if failure]
     print("\n" + summarize(load_runs(args.out), args.seeds))
     if failed:
         print(f"\n{len(failed)} run(s) failed: " + "; ".join(failed), file=sys.stderr)

@@ -1,10 +1,7 @@
-"""Paired statistics of two arms over seeds: the mean difference, its Student-t interval, the verdict,
-and the seeds a difference of a given size needs. Plain Python (``math``): no SciPy, no torch.
-
-A seed fixes what both arms share (the data split or the label noise, the initial weights), so the
-difference of the two arms on one seed cancels what the seed changes; over ``n`` seeds the mean
-difference ``d`` with standard deviation ``s`` has the two-sided interval ``d +- t(1 - a/2, n - 1) s /
-sqrt(n)`` (Student 1908). ``lpa3 compare`` and the benchmarks' tables use this one implementation.
+"""Paired statistics of two arms over seeds (``lpa3 compare``, the benchmarks' tables): the mean difference,
+its Student-t interval ``d +- t(1 - a/2, n - 1) s / sqrt(n)``, the verdict, and the seeds a difference of a
+given size needs. A seed fixes what both arms share, so their difference on it cancels what it changes. Plain
+Python (``math``): no SciPy, no torch.
 
 Example:
     >>> row = paired_difference({1: 0.80, 2: 0.82, 3: 0.81}, {1: 0.85, 2: 0.86, 3: 0.87})
@@ -22,10 +19,6 @@ __all__ = ["MIN_SEEDS", "paired_difference", "seeds_needed", "t_quantile"]
 
 #: fewer seeds than this give no verdict (an interval from two seeds spans almost anything)
 MIN_SEEDS = 3
-
-
-def _log_beta(a: float, b: float) -> float:
-    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:
@@ -53,7 +46,7 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
         return 0.0
     if x >= 1.0:
         return 1.0
-    front = math.exp(a * math.log(x) + b * math.log1p(-x) - _log_beta(a, b))
+    front = math.exp(a * math.log(x) + b * math.log1p(-x) - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)))
     if x < (a + 1.0) / (a + b + 2.0):
         return front * _beta_fraction(a, b, x) / a
     return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
@@ -66,12 +59,8 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`).
-
-    Example:
-        >>> round(t_quantile(0.975, 4), 4)
-        2.7764
-    """
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`); a
+    ``ValueError`` for ``p`` outside (0, 1) or ``df <= 0``."""
     if not 0.0 < p < 1.0 or not df > 0:
         raise ValueError(f"`p` must be in (0, 1) and `df` > 0, got p={p!r}, df={df!r}.")
     if p < 0.5:
@@ -85,10 +74,6 @@ def t_quantile(p: float, df: float) -> float:
         if high - low < 1e-12 * max(1.0, high):
             break
     return 0.5 * (low + high)
-
-
-def _normal_cdf(z: float) -> float:
-    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 def _power(effect: float, std: float, n: int, confidence: float) -> float:
@@ -108,7 +93,7 @@ def _power(effect: float, std: float, n: int, confidence: float) -> float:
         density = 0.0 if u == 0.0 and df > 1 else math.exp(log_norm + (df - 1.0) * math.log(u) - 0.5 * u * u) \
             if u > 0.0 else math.exp(log_norm)
         scale = critical * u / math.sqrt(df)
-        tail = _normal_cdf(shift - scale) + _normal_cdf(-shift - scale)
+        tail = 0.5 * math.erfc(-(shift - scale) / math.sqrt(2.0)) + 0.5 * math.erfc(-(-shift - scale) / math.sqrt(2.0))
         total += (1 if k in (0, steps) else 4 if k % 2 else 2) * density * tail
     return total * width / 3.0
 
@@ -134,13 +119,11 @@ def seeds_needed(effect: float, std: float, power: float = 0.8, confidence: floa
 
 
 def paired_difference(base: Mapping[int, float], other: Mapping[int, float], confidence: float = 0.95) -> dict:
-    """Paired statistics of ``other - base`` over the seeds both have.
-
-    Returns a dict: ``seeds``, ``diffs`` (per seed), ``mean``, ``std``, ``ci`` (the two-sided Student-t
-    interval of the mean at ``confidence``), ``confidence``, ``above`` (seeds where ``other`` is higher),
-    ``n`` and ``verdict``: ``"helps"`` (the interval above 0), ``"hurts"`` (below 0), ``"no difference
-    found"`` (it holds 0), or no verdict, saying why, for fewer than :data:`MIN_SEEDS` seeds, differences
-    without spread (every seed the same difference: no interval to speak of) or a non-finite value.
+    """Paired statistics of ``other - base`` over the seeds both have: a dict of ``seeds``, ``diffs``, ``mean``,
+    ``std``, ``ci`` (the two-sided Student-t interval of the mean at ``confidence``), ``confidence``, ``above``
+    (seeds where ``other`` is higher), ``n`` and ``verdict``: ``"helps"`` (the interval above 0), ``"hurts"``
+    (below), ``"no difference found"`` (it holds 0), or no verdict, saying why, for fewer than
+    :data:`MIN_SEEDS` seeds, differences without spread or a non-finite value.
 
     Raises:
         ValueError: for a ``confidence`` outside (0, 1).

@@ -1,4 +1,5 @@
-"""The `lpa3` command (LightningCLI) and the shipped configs."""
+"""The `lpa3` command (lpa3_lightning.cli.command): LightningCLI over the shipped configs, fit then test,
+`python -m lpa3_lightning`, the console script, and the saved config."""
 
 from __future__ import annotations
 
@@ -72,28 +73,6 @@ def test_lpa3_console_script_is_installed():
     assert "fit" in done.stdout and "test" in done.stdout
 
 
-def _config_with_ratio(tmp_path: Path, value: str) -> Path:
-    text = (CONFIGS / "lpa3_tau0.5.yaml").read_text()
-    assert "ratio: 0.5" in text
-    path = tmp_path / "bad.yaml"
-    path.write_text(text.replace("ratio: 0.5", f"ratio: {value}"))
-    return path
-
-
-def test_bad_config_value_is_refused_by_the_parser(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        _instantiate(_config_with_ratio(tmp_path, "oops"), f"--trainer.default_root_dir={tmp_path}")
-    err = capsys.readouterr().err
-    assert "ratio" in err and "oops" in err
-
-
-def test_out_of_range_ratio_in_a_config_is_refused_with_the_fix(tmp_path, capsys):
-    with pytest.raises((SystemExit, ValueError)) as info:
-        _instantiate(_config_with_ratio(tmp_path, "1.5"), f"--trainer.default_root_dir={tmp_path}")
-    message = str(info.value) + capsys.readouterr().err
-    assert "`ratio`" in message and "(0, 1]" in message and "Fix" in message
-
-
 def test_model_and_data_mismatch_is_refused_before_training(tmp_path):
     cli = _instantiate(CONFIGS / "demo_breastmnist_lpa3.yaml", "--model.init_args.num_classes=5",
                        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}")
@@ -140,59 +119,6 @@ def test_the_saved_config_equals_the_settings_that_ran(tmp_path):
     assert _settings(rebuilt) == _settings(ran)
 
 
-def test_a_flat_key_of_a_config_is_refused_naming_it(tmp_path, capsys):
-    text = (CONFIGS / "lpa3_maxstep1.yaml").read_text()
-    flat = text.replace("        solver:\n          lam: 1.0\n          max_step: 1.0", "        lam: 1.0\n        max_step: 1.0"
-                        ).replace("          attack_bn: auto", "        attack_bn: auto")
-    assert flat != text
-    path = tmp_path / "flat.yaml"
-    path.write_text(flat)
-    with pytest.raises((SystemExit, TypeError)) as info:
-        _instantiate(path, f"--trainer.default_root_dir={tmp_path}")
-    message = str(info.value) + capsys.readouterr().err
-    assert "LPA3Callback's `lam` is a setting of the `solver` group" in message  # its new place
-
-
-def _refused(tmp_path: Path, capsys, text: str, *args: str) -> str:
-    """The error ``lpa3 fit`` prints for a config ``text`` (written to a file) and ``args``."""
-    path = tmp_path / "config.yaml"
-    path.write_text(text)
-    with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}", *args, "--print_config"])
-    assert info.value.code == 2
-    return capsys.readouterr().err
-
-
-@pytest.mark.parametrize("old, new, expected", [
-    # a typo of the callback's own argument: the closest one
-    ("        ratio: 0.5\n", "        ratoi: 0.5\n", "did you mean `ratio`?"),
-    # a former flat setting: its group, and how to write it in YAML
-    ("        solver:\n          lam: 1.0\n", "        lam: 1.0\n        solver:\n",
-     "`lam` is a setting of the `solver` group"),
-    # a typo inside a group: the group's closest field
-    ("          lam: 1.0\n", "          lamm: 1.0\n", "`solver` has no setting `lamm`: did you mean `lam`?"),
-    # a setting under the wrong group: its group
-    ("          lam: 1.0\n", "          regenerate_every_n_epochs: 2\n",
-     "`solver` has no setting `regenerate_every_n_epochs`: it is a setting of the `cache` group"),
-])
-def test_a_misplaced_or_misspelled_callback_setting_in_a_config_is_named_with_its_place(tmp_path, capsys, old, new,
-                                                                                         expected):
-    """The message the Python API gives (settings.unknown_argument), in a few lines: not jsonargparse's
-    48 lines of usage and nested union errors."""
-    text = (CONFIGS / "lpa3_maxstep1.yaml").read_text()
-    assert old in text
-    err = _refused(tmp_path, capsys, text.replace(old, new))
-    assert expected in err, err
-    assert len(err.splitlines()) <= 6, err
-
-
-def test_a_parser_error_is_short(tmp_path, capsys):
-    """Any refusal: the error and where the options are listed, not the whole usage."""
-    err = _refused(tmp_path, capsys, (CONFIGS / "lpa3_maxstep1.yaml").read_text(), "--trainer.max_epochz=3")
-    assert "max_epochz" in err and "--help" in err
-    assert len(err.splitlines()) <= 6, err
-
-
 def test_the_lpa3_command_imports_a_module_from_the_current_folder(tmp_path):
     """As ``python -m lpa3_lightning`` does: a console script's sys.path holds its own folder, not the
     working one, so ``--model my_module.MyModule`` of a file beside the config failed to import."""
@@ -209,22 +135,3 @@ def test_the_lpa3_command_imports_a_module_from_the_current_folder(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "class_path: my_module.MyModule" in done.stdout
-
-
-@pytest.mark.parametrize("block, key", [
-    ("lr_scheduler:\n  class_path: torch.optim.lr_scheduler.CosineAnnealingLR\n  init_args:\n    T_max: 10\n",
-     "lr_scheduler"),
-    ("optimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: 0.01\n", "optimizer"),
-])
-def test_an_optimizer_or_schedule_in_a_config_names_that_the_module_owns_them(tmp_path, capsys, block, key):
-    """LightningCLI's `optimizer:` / `lr_scheduler:` keys are off (each module's configure_optimizers holds its
-    recipe): a config with them says so and where the recipe's settings are, not only 'does not accept'."""
-    err = _refused(tmp_path, capsys, (CONFIGS / "lpa3_maxstep1.yaml").read_text() + block)
-    assert f"`{key}:`" in err and "configure_optimizers" in err and "model.init_args" in err, err
-    assert len(err.splitlines()) <= 6, err
-
-
-def test_fit_help_says_the_modules_own_their_optimizer_and_schedule(capsys):
-    with pytest.raises(SystemExit):
-        main(["fit", "--help"])
-    assert "configure_optimizers" in capsys.readouterr().out
