@@ -72,7 +72,7 @@ def _split(checkpoint: dict[str, Any], root: str | None, split: str) -> tuple[An
     """The split as the checkpoint's data module makes it: a map-style dataset, the data's name, normalisation and
     class names (None: numbers); a ``SystemExit`` with the fix for a data module it cannot rebuild."""
     from lpa3_lightning.data import IndexedDataset, MedMNISTDataModule, NoisyLabelDataModule, SemiSupervisedDataModule
-    from lpa3_lightning.data.ssl_sources import source_facts
+    from lpa3_lightning.data.ssl_datasets import source_facts
 
     hparams = checkpoint.get("datamodule_hyper_parameters", {})
     own = _import_class(hparams.get("_class_path"))
