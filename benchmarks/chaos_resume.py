@@ -133,7 +133,7 @@ def worker(out: Path, world: int, cache: str, kill: Kill | None, ready: str | No
 
     from lpa3_lightning import LPA3Callback
     from lpa3_lightning.data import train_loader
-    from tests.callback.test_callback import TinyClassifier
+    from tests.callback.test_lpa3_callback import TinyClassifier
     from tests.ddp.run_ddp import no_bn_net
     from tests.helpers import GlobalRandomState, indexed_images
     from tests.resume.run_resume import KillWhileWriting

@@ -15,10 +15,9 @@ Configurations:
                         for every selected sample each step (the authors' cost)
   fixmatch_lpa3         the default: x' solved only where the LP-A3 term will weigh it (pseudo-label
                         confidence >= 0.9); the same loss
+  fixmatch_null         the control augment="null": the LP-A3 term's rows, labels and weights with x' = x (no
+                        solver), the callback's other work (TCS, selection, the verified forward, logging) kept
   fixmatch_lpa3_cached  + cache.regenerate_every_n_epochs=10 (a cached x' is reused while its pseudo-label holds)
-  fixmatch_lpa3_reused  another design of the request, measured here only: the request's joint forward of the
-                        labeled, weak and strong views keeps its graph and the loss reuses it (one forward
-                        a step, as FixMatch's), instead of the package's extra forward without gradient
 Epoch 0 is the callback's warm-up (TCS fills, no attack) in every LP-A3 run, so epochs 1.. are
 measured; the LP-A3 term counts from epoch 1. Epoch 0's median step (its first step left out) is
 printed too: FixMatch's step plus the request's pseudo-label forward, without the solver. Prints the median step time of the measured
@@ -30,11 +29,15 @@ only the confident share, printed, and can go below it). Ratios are measured sid
 ``--designs`` times instead, in one process and round robin (the median of ``--reps`` rounds; a
 load that drifts during the run touches every design alike), the step without the solver under
 each design of the request's pseudo-labels: ``reference`` (FixMatch's step: one forward of the
-joint batch, its loss, the backward; the package's step without the callback), ``extra_forward``
-(the package's design with the callback: the same joint forward once more, without gradient,
-before the step) and ``reused_forward`` (the request's forward keeps its graph and the loss reuses
-it: the reference's operations, the graph held through the solver). The solver's work is the same
-under every design (the same rows, the same labels), so these differences are the designs' whole cost.
+joint batch, its loss, the backward; the package's step without the callback), ``shared_forward``
+(the package's design since 0.4.0: the request makes the step's joint forward with its graph and
+the loss reuses it, so the graph is held through the solver) and ``extra_forward`` (0.3.0's design:
+the same joint forward once more, without gradient, before the step; what the request still does
+outside a fit). The solver's work is the same under every design (the same rows, the same labels),
+so these differences are the designs' whole cost. Beside the times: the bytes the joint forward's
+graph saves for its backward (what ``shared_forward`` holds while the solver runs, counted with
+``torch.autograd.graph.saved_tensors_hooks``) and the bytes one solver pass (forward + input
+gradient on the selected rows) saves, its own peak's main part.
 ``--json PATH`` writes every configuration's result and the ratios above (rewritten as each
 configuration finishes, ``"complete": false`` until the last).
 """
@@ -62,7 +65,7 @@ from benchmarks.harness import (  # noqa: E402
     write_result,
 )
 
-CONFIGS = ("fixmatch", "fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_lpa3_cached", "fixmatch_lpa3_reused")
+CONFIGS = ("fixmatch", "fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_null", "fixmatch_lpa3_cached")
 RATIO = 0.9
 #: setting -> (arch, (channels, size), batch size, mu); the paper's CIFAR-10 rows use ratio 0.9 too
 SETTINGS = {"mnist5k": ("small_cnn", (1, 28), 32, 7), "wrn28_2_32px": ("wrn28_2", (3, 32), 64, 7)}
@@ -94,41 +97,6 @@ class _Synthetic:
         self.num_steps_per_epoch = SYNTHETIC_STEPS
 
 
-def _reused_forward_module(**kwargs):
-    """``FixMatchClassifier`` whose request builds the step's joint forward WITH its graph and whose loss
-    reuses it: the design that saves the package's extra forward (timed here, not shipped: the graph
-    is held through the solver, so the peak memory grows by a training forward's activations, and
-    the forward runs in ``on_train_batch_start``, outside the DDP wrapper's forward)."""
-    import contextlib
-
-    import torch
-
-    from lpa3_lightning import FixMatchClassifier, LPA3Request
-    from lpa3_lightning.methods.fixmatch import split_semi_supervised_batch
-
-    class ReusedForward(FixMatchClassifier):
-        _held: tuple | None = None
-
-        def lpa3_request(self, batch):
-            precision = self.trainer.precision_plugin
-            with precision.forward_context() if precision is not None else contextlib.nullcontext():
-                logits = FixMatchClassifier.fixmatch_forward(self, batch)
-            self._held = (batch["unlabeled"][0], logits)
-            confidence, pseudo = self.fixmatch_pseudo_labels(logits[1])
-            _, _, _, x_weak, _, idx = split_semi_supervised_batch(batch)
-            s = self.lpa3_settings
-            mask = (confidence >= s.lpa3_confidence_threshold) & self._lpa3_term_on() if s.solve_trained_only else None
-            return LPA3Request(inputs=x_weak, targets=pseudo, indices=idx, train_mask=mask)
-
-        def fixmatch_forward(self, batch):
-            held, self._held = self._held, None
-            if held is not None and held[0] is batch["unlabeled"][0] and torch.is_grad_enabled():
-                return held[1]
-            return super().fixmatch_forward(batch)
-
-    return ReusedForward(**kwargs)
-
-
 def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k") -> dict:
     import lightning.pytorch as pl
     import torch
@@ -150,9 +118,9 @@ def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k"
     if lpa3:
         callbacks.append(LPA3Callback(ratio=RATIO, sigma=0.02, steps=5, warmup_epochs=1, seed=0,
                                       input_range="auto" if setting == "mnist5k" else None,
-                                      cache={"regenerate_every_n_epochs": 10 if config.endswith("cached") else 1}))
-    build = _reused_forward_module if config == "fixmatch_lpa3_reused" else FixMatchClassifier
-    module = build(arch=arch, in_channels=shape[0], num_classes=10, twin_bn=lpa3,
+                                      cache={"regenerate_every_n_epochs": 10 if config.endswith("cached") else 1},
+                                      augment="null" if config == "fixmatch_null" else "lpa3"))
+    module = FixMatchClassifier(arch=arch, in_channels=shape[0], num_classes=10, twin_bn=lpa3,
                    fixmatch={"lpa3_loss_warmup_epochs": 1, "solve_trained_only": config != "fixmatch_lpa3_all"})
     trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -180,10 +148,26 @@ def _worker(config: str, epochs: int, accelerator: str, setting: str = "mnist5k"
     return result
 
 
-def design_step_times(setting: str, reps: int) -> tuple[dict[str, float], dict[str, int]]:
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn()`` runs (storage counted once)."""
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def design_step_times(setting: str, reps: int) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
     """Median seconds of one FixMatch step without the solver under each design of the request's
-    pseudo-labels (see the module docstring), measured round robin in this process, and the
-    forwards of the joint batch each design makes a step (counted on its last round)."""
+    pseudo-labels (see the module docstring), measured round robin in this process, the forwards of
+    the joint batch each design makes a step (counted on its last round), and the saved bytes of the
+    joint forward's graph and of one solver pass on the selected rows."""
     import time
 
     import torch
@@ -214,17 +198,14 @@ def design_step_times(setting: str, reps: int) -> tuple[dict[str, float], dict[s
         module.lpa3_request(batch)  # the package's request: the joint forward without gradient
         reference()
 
-    def reused_forward() -> None:
-        held = module.fixmatch_forward(batch)  # the request's forward, graph kept
-        module.fixmatch_pseudo_labels(held[1])
-        original = module.fixmatch_forward
-        module.fixmatch_forward = lambda _batch: held  # type: ignore[method-assign]
-        try:
-            reference()
-        finally:
-            module.fixmatch_forward = original  # type: ignore[method-assign]
+    def shared_forward() -> None:
+        # what lpa3_request does in a fit: the joint forward with its graph, handed to the loss
+        parts = module.fixmatch_forward(batch)
+        module._fixmatch_shared = (weak, int(module.global_step), parts)
+        module.fixmatch_pseudo_labels(parts[1])
+        reference()
 
-    designs = {"reference": reference, "extra_forward": extra_forward, "reused_forward": reused_forward}
+    designs = {"reference": reference, "shared_forward": shared_forward, "extra_forward": extra_forward}
     times: dict[str, list[float]] = {name: [] for name in designs}
     for fn in designs.values():
         fn()  # warm-up
@@ -236,7 +217,14 @@ def design_step_times(setting: str, reps: int) -> tuple[dict[str, float], dict[s
             fn()
             times[name].append(time.perf_counter() - start)
             counts[name] = forwards["count"]
-    return {name: statistics.median(t) for name, t in times.items()}, counts
+    selected = weak[: round(RATIO * weak.shape[0])].clone().requires_grad_(True)
+
+    def solver_pass() -> None:
+        torch.autograd.grad(module.model(selected).logsumexp(1).sum(), selected)
+
+    memory = {"joint_graph_bytes": saved_bytes(lambda: module.fixmatch_forward(batch)),
+              "solver_pass_bytes": saved_bytes(solver_pass)}
+    return {name: statistics.median(t) for name, t in times.items()}, counts, memory
 
 
 def _floor_parts(module, unlabeled_batch: int, shape: tuple[int, int] = (1, 28)) -> tuple[float, float]:
@@ -292,14 +280,17 @@ def main() -> None:
     import torch
 
     if args.designs:
-        times, counts = design_step_times(args.setting, args.reps)
+        times, counts, memory = design_step_times(args.setting, args.reps)
         print(f"torch {torch.__version__}, {device_label('cpu')}; FixMatch step without the solver, {args.setting}, "
               f"median of {args.reps} rounds (round robin, one process)")
         for name, seconds in times.items():
             print(f"{name:15} {seconds:8.4f} s  {seconds / times['reference']:.2f}x the reference step "
                   f"({counts[name]} forward{'s' if counts[name] > 1 else ''} of the joint batch)")
+        print(f"saved for backward: the joint forward's graph (held through the solver by shared_forward) "
+              f"{memory['joint_graph_bytes'] / 2**20:.1f} MiB; one solver pass on the {RATIO:.0%} selected rows "
+              f"{memory['solver_pass_bytes'] / 2**20:.1f} MiB")
         if args.json:
-            write_result(args.json, {"script": "fixmatch_step", "designs": times, "forwards": counts,
+            write_result(args.json, {"script": "fixmatch_step", "designs": times, "forwards": counts, **memory,
                                      "setting": args.setting,
                                      "reps": args.reps, "torch": torch.__version__})
         return
@@ -334,7 +325,7 @@ def main() -> None:
     print(f"steps per epoch: {base['steps_per_epoch']}")
     print(f"{'config':22} {'step s':>8} {'x FixMatch':>11} {'floor s':>8} {'x floor':>8} {'x solved (share of batch)':>26}")
     print(f"{'fixmatch':22} {base['step_s']:8.3f} {1:10.2f}x")
-    for config in [c for c in ("fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_lpa3_reused") if c in results]:
+    for config in [c for c in ("fixmatch_lpa3_all", "fixmatch_lpa3", "fixmatch_null") if c in results]:
         step, solved = results[config]["step_s"], list(results[config]["solved"].values())
         share = f"{min(solved):.2f} to {max(solved):.2f}" if solved else "n/a"
         print(f"{config:22} {step:8.3f} {step / base['step_s']:10.2f}x {floor_step:8.3f} {step / floor_step:7.2f}x "

@@ -12,25 +12,24 @@
 #               CUDA, ...) as the first record of this call in session.jsonl                       25
 #   tests       tests/test_gpu.py, its CUDA cases (TEST_SELECT="not cpu": the CPU cases run in the
 #               ordinary suite)                                                   -> test_gpu.log   70
-#   overhead    step_overhead.py: step and amortized-epoch ratios with their floors and peak
-#               memory: plain, default path, sync-free, cached (12 epochs), captured (last: a
-#               failure there keeps the others); ResNet-18 28 px, batch 128, ratio 0.3
-#                                                                            -> step_overhead.log  140
+#   overhead    step_cost.py ratios: step and amortized-epoch ratios with their floors and peak
+#               memory: plain, LP-A3, the controls augment='null' and 'noise' (at LP-A3's input
+#               distance), cached (12 epochs, last: a failure there keeps the others); ResNet-18
+#               28 px, batch 128, ratio 0.3                                       -> step_cost.log  140
 #   fixmatch    fixmatch_step.py: a FixMatch step (WRN-28-2, 32 px, batch 64, mu 7) against plain
 #               FixMatch, with every selected row solved (the authors' cost); the default
 #               configuration (fixmatch_lpa3) is left out: on random tensors few rows pass its
 #               confidence threshold, and with it the part overran 90 s on the H100 -> fixmatch_step.log 65
-#   profile     profile_step.py, 2 steps each: launches, synchronisations, GPU busy per step on the
-#               default path (sync_free=False) and with the solver captured (graphs) -> profile.log 45 + 45
-#   host        profile_host.py: 20 steady LP-A3 steps on the sync-free path (the default on a GPU)
-#               with the host side visible (self CPU time by operator and by Python function,
-#               the top five places; launches, cudaMalloc/cudaFree, synchronisations, H2D/D2H
-#               copies and bytes, GPU busy, peak memory per step)                 -> profile.log    60
+#   profile     step_cost.py profile, 2 steps: kernel launches, synchronisations, GPU busy per step,
+#               operators by self CPU and self CUDA time                         -> profile.log    45
+#   host        step_cost.py profile --stack: 20 steady LP-A3 steps with the host side visible (self
+#               CPU time by operator and by Python function, the top five places; launches,
+#               cudaMalloc/cudaFree, synchronisations, H2D/D2H copies and bytes, GPU busy, peak
+#               memory per step)                                                  -> profile.log    60
 #   (summary)   always: gpu_summary.py merges session.jsonl and the logs into $SUMMARY            15
-# The default STEPS: 25 + 70 + 140 + 65 + 2 x 45 + 60 + 15 = 465 s <= 480 s (SESSION_SECONDS); a part
-# that ignores the TERM at its limit is killed 2 s later (at most 7 x 2 s more: 479 s).
-# Not in the default STEPS, as they do not fit in 480 s beside the rest:
-#   profile_sf  profile_step.py on the sync-free path, 2 steps (host profiles that path)  -> profile.log 45
+# The default STEPS: 25 + 70 + 140 + 65 + 45 + 60 + 15 = 420 s <= 480 s (SESSION_SECONDS); a part
+# that ignores the TERM at its limit is killed 2 s later (at most 6 x 2 s more: 432 s).
+# Not in the default STEPS, as it does not fit in 480 s beside the rest:
 #   table       time to the baseline's accuracy on BreastMNIST and PneumoniaMNIST (DATA), 3 seeds,
 #               all runs side by side, in the time left of SESSION_SECONDS less the summary's
 #               (about 430 s when alone: STEPS=table); PneumoniaMNIST needs DATA/medmnist on the
@@ -41,10 +40,10 @@
 # summary takes each part's last run, so it merges the calls. On a lent machine whose OUT starts
 # empty, run the summary where both calls' folders are: gpu_summary.py OUT1 OUT2 [--summary ...].
 # Files in OUT (at most 8): session.jsonl (the records: env, each part's status, each script's
-# --json result), test_gpu.log, step_overhead.log, fixmatch_step.log, profile.log, [table.log,
+# --json result), test_gpu.log, step_cost.log, fixmatch_step.log, profile.log, [table.log,
 # table_runs.tgz], and the summary when SUMMARY is inside OUT (SUMMARY=$OUT/summary.json).
-# A dry run of the wiring on the CPU (no timing meaning): ACCEL=cpu STEPS=host HOST_STEPS=2
-# HOST_ARGS="--arch small_cnn --batch 8 --warm-steps 1" OUT=/tmp/gpu SUMMARY=/tmp/gpu/summary.json bash ...
+# A dry run of the wiring on the CPU (no timing meaning): ACCEL=cpu STEPS="profile host" HOST_STEPS=2
+# PROFILE_ARGS="--arch small_cnn --batch 8 --warm-steps 1" OUT=/tmp/gpu SUMMARY=/tmp/gpu/summary.json bash ...
 set -u
 OUT=${OUT:-runs/gpu}
 DATA=${DATA:-../shared/data}
@@ -56,7 +55,7 @@ EPOCHS=${EPOCHS:-12}  # of the cached overhead run
 TESTS=${TESTS:-tests/test_gpu.py}  # the tests to run (node ids of tests/test_gpu.py select some)
 TEST_SELECT=${TEST_SELECT-not cpu}  # pytest -k: the CUDA cases (TEST_SELECT="" runs all)
 HOST_STEPS=${HOST_STEPS:-20}  # steady steps the host part profiles
-HOST_ARGS=${HOST_ARGS:-}  # more profile_host.py arguments (the dry run's small sizes)
+PROFILE_ARGS=${PROFILE_ARGS:-}  # more step_cost.py profile arguments, of both profile parts (the dry run's sizes)
 SUMMARY=${SUMMARY:-docs/gpu/$(date -u +%F).json}
 SUMMARY_LIMIT=15
 CALL=$(date -u +%Y%m%dT%H%M%SZ)
@@ -81,13 +80,13 @@ record() {  # record KIND NAME FIELDS-JSON: one line of session.jsonl
 part() {  # part NAME LIMIT LOG JSON command...: one run of a part under its limit; its status and
           # the JSON its script wrote ("$SCRATCH/JSON", "-" for none) into session.jsonl
   local name=$1 limit=$2 log=$3 json=$4; shift 4
-  case " $STEPS " in *" ${name%%:*} "*) ;; *) return 0 ;; esac
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local start=$SECONDS
   echo "== $name (limit $limit s, at $SECONDS s): $*"
   echo "### $name $CALL: $*" >> "$OUT/$log"  # several parts share a log (at most 8 files come back)
   timeout -k 2 "$limit" "$@" >> "$OUT/$log" 2>&1
   local rc=$? seconds=$(( SECONDS - start ))
-  record part "$name" "\"part\": \"${name%%:*}\", \"exit\": $rc, \"seconds\": $seconds, \"limit\": $limit, \"log\": \"$log\""
+  record part "$name" "\"exit\": $rc, \"seconds\": $seconds, \"limit\": $limit, \"log\": \"$log\""
   if [ "$json" != "-" ] && [ -s "$SCRATCH/$json" ]; then
     $PY -c 'import json, sys; print(json.dumps({"kind": "result", "name": sys.argv[1], "call": sys.argv[2],
 "result": json.load(open(sys.argv[3]))}))' "$name" "$CALL" "$SCRATCH/$json" >> "$OUT/session.jsonl"
@@ -98,20 +97,15 @@ part() {  # part NAME LIMIT LOG JSON command...: one run of a part under its lim
 
 part tests 70 test_gpu.log - $PY -m pytest -q -p no:cacheprovider -rfEs -k "$TEST_SELECT" $TESTS
 # 3 epochs (epoch 0 warms up), the cached run 12: epochs 1..11 give it one whole K=10 window
-part overhead 140 step_overhead.log overhead.json $PY benchmarks/step_overhead.py --accelerator "$ACCEL" \
-    --epochs 3 --cached-epochs "$EPOCHS" --ratio 0.3 --configs baseline lpa3 lpa3_eager lpa3_cached lpa3_graphs \
+part overhead 140 step_cost.log overhead.json $PY benchmarks/step_cost.py ratios --accelerator "$ACCEL" \
+    --epochs 3 --cached-epochs "$EPOCHS" --ratio 0.3 --configs baseline lpa3 lpa3_null lpa3_noise lpa3_cached \
     --json "$SCRATCH/overhead.json"
 part fixmatch 65 fixmatch_step.log fixmatch.json $PY benchmarks/fixmatch_step.py --accelerator "$ACCEL" \
     --setting wrn28_2_32px --epochs 3 --configs fixmatch fixmatch_lpa3_all --json "$SCRATCH/fixmatch.json"
-# (the eager path: 31 s on an H100; the report of the sync-free one's profile took longer than 35 s)
-part profile:eager 45 profile.log profile_eager.json $PY benchmarks/profile_step.py --accelerator "$ACCEL" \
-    --sync-free false --steps 2 --json "$SCRATCH/profile_eager.json"
-part profile:graphs 45 profile.log profile_graphs.json $PY benchmarks/profile_step.py --accelerator "$ACCEL" \
-    --sync-free true --cuda-graphs --steps 2 --json "$SCRATCH/profile_graphs.json"
-part profile_sf:sync_free 45 profile.log profile_sf.json $PY benchmarks/profile_step.py --accelerator "$ACCEL" \
-    --sync-free true --steps 2 --json "$SCRATCH/profile_sf.json"
-part host 60 profile.log host.json $PY benchmarks/profile_host.py --accelerator "$ACCEL" --steps "$HOST_STEPS" \
-    $HOST_ARGS --json "$SCRATCH/host.json"
+part profile 45 profile.log profile.json $PY benchmarks/step_cost.py profile --accelerator "$ACCEL" --steps 2 \
+    $PROFILE_ARGS --json "$SCRATCH/profile.json"
+part host 60 profile.log host.json $PY benchmarks/step_cost.py profile --accelerator "$ACCEL" --stack \
+    --steps "$HOST_STEPS" --warm-steps 3 $PROFILE_ARGS --json "$SCRATCH/host.json"
 
 # the table in the time left: 3 seeds x {baseline, lpa3} per data set, all twelve runs side by side
 # (their wall times include that contention, equally for both methods); runs still going at the
@@ -120,7 +114,7 @@ case " $STEPS " in *" table "*)
   LEFT=$(( SESSION_SECONDS - SECONDS - SUMMARY_LIMIT - 25 ))
   if [ "$LEFT" -lt 60 ]; then
     echo "table: no time left ($LEFT s)"
-    record part table "\"part\": \"table\", \"exit\": null, \"seconds\": 0, \"limit\": $LEFT, \"log\": \"table.log\", \"skipped\": \"no time left\""
+    record part table "\"exit\": null, \"seconds\": 0, \"limit\": $LEFT, \"log\": \"table.log\", \"skipped\": \"no time left\""
   else
     echo "== table (deadline $LEFT s, at $SECONDS s)"
     echo "### table $CALL: medmnist_table.py breastmnist + pneumoniamnist, deadline $LEFT s" >> "$OUT/table.log"
@@ -136,7 +130,7 @@ case " $STEPS " in *" table "*)
     FAILED=0
     for job in $(jobs -p); do wait "$job" || FAILED=$?; done
     tar czf "$OUT/table_runs.tgz" -C "$RUNS" .
-    record part table "\"part\": \"table\", \"exit\": $FAILED, \"seconds\": $(( SECONDS - START )), \"limit\": $(( LEFT + 15 )), \"log\": \"table.log\""
+    record part table "\"exit\": $FAILED, \"seconds\": $(( SECONDS - START )), \"limit\": $(( LEFT + 15 )), \"log\": \"table.log\""
     echo "   table: exit $FAILED in $(( SECONDS - START )) s"
   fi ;;
 esac

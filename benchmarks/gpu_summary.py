@@ -10,11 +10,13 @@ that reruns some parts (``STEPS="..."``) appends to the same file, and several f
 calls' OUT folders, in the order they ran) may be given: the last record of a part wins, so the
 summary merges the calls. Figures come from the parts' JSON; where a part has none (a script
 stopped by its time limit before writing it) they are read from its log where the log has them:
-step_overhead.py prints each configuration's result as a ``config: {json}`` line as it finishes,
-and the tests' counts are pytest's last line. The summary is written (strict JSON: NaN as null)
-to ``--summary`` (default ``docs/gpu/<date of the first call>.json``; ``gpu_session.sh`` passes
-``$SUMMARY``, e.g. ``$OUT/summary.json`` on a machine whose only returned folder is ``$OUT``),
-and its figures printed. Needs no GPU: it reads files only (``--env`` imports torch).
+``step_cost.py ratios`` prints each configuration's result as a ``config: {json}`` line as it
+finishes, and the tests' counts are pytest's last line. The ``profile`` and ``host`` parts are
+both ``step_cost.py profile`` (the second with the Python tracer), read alike. The summary is
+written (strict JSON: NaN as null) to ``--summary`` (default ``docs/gpu/<date of the first
+call>.json``; ``gpu_session.sh`` passes ``$SUMMARY``, e.g. ``$OUT/summary.json`` on a machine whose
+only returned folder is ``$OUT``), and its figures printed. Needs no GPU: it reads files only
+(``--env`` imports torch).
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def test_counts(text: str) -> dict:
 
 
 def overhead_figures(result: dict | None, log_text: str) -> dict:
-    """step_overhead.py's ratios: from its ``--json`` result, else from its ``config: {json}`` lines."""
+    """``step_cost.py ratios``'s figures: from its ``--json`` result, else from its ``config: {json}`` lines (the
+    last line of a configuration: its last run)."""
     configs = (result or {}).get("results")
     source = "json"
     if not configs:
@@ -147,9 +150,6 @@ def overhead_figures(result: dict | None, log_text: str) -> dict:
                "peak_x_baseline": r["peak_mb"] / base["peak_mb"] if base["peak_mb"] else None}
         if "mean_step_s" in r and "mean_step_s" in base:
             row.update(mean_step_s=r["mean_step_s"], mean_step_x_baseline=r["mean_step_s"] / base["mean_step_s"])
-        for key in ("captures", "replays"):
-            if key in r:
-                row[key] = r[key]
         out["configs"][config] = row
     lp = configs.get("lpa3")
     if lp and "attack_s" in lp:
@@ -185,24 +185,18 @@ def fixmatch_figures(result: dict | None) -> dict:
 
 
 def profile_figures(result: dict | None) -> dict:
+    """``step_cost.py profile``'s figures per step, with its five largest operators by self CPU and CUDA time."""
     if not result:
         return {}
-    keep = ("steps", "ms_per_step", "launches_per_step", "graph_launches_per_step", "syncs_per_step",
-            "gpu_busy_ms_per_step", "captures_before", "captures_during")
-    figures = {k: result[k] for k in keep if k in result}
-    figures["top5_self_cuda_ms_per_step"] = dict(list(result.get("top_self_cuda_ms_per_step", {}).items())[:5])
-    figures["top5_self_cpu_ms_per_step"] = dict(list(result.get("top_self_cpu_ms_per_step", {}).items())[:5])
-    return figures
-
-
-def host_figures(result: dict | None) -> dict:
-    if not result:
-        return {}
-    keep = ("steps", "wall_ms_per_step", "host_self_ms_per_step", "operators_per_step", "top_host_places",
-            "kernel_launches_per_step", "graph_launches_per_step", "syncs_per_step", "syncs_per_step_by_call",
+    keep = ("steps", "with_stack", "wall_ms_per_step", "host_self_ms_per_step", "operators_per_step",
+            "top_host_places", "kernel_launches_per_step", "syncs_per_step", "syncs_per_step_by_call",
             "cuda_malloc_per_step", "cuda_free_per_step", "h2d_per_step", "h2d_bytes_per_step", "d2h_per_step",
             "d2h_bytes_per_step", "gpu_busy_ms_per_step", "peak_mb")
-    return {k: result[k] for k in keep if k in result}
+    figures = {k: result[k] for k in keep if k in result}
+    for kind in ("cpu", "cuda"):
+        figures[f"top5_self_{kind}_ms_per_step"] = dict(
+            list((result.get(f"self_{kind}_ms_per_step_by_operator") or {}).items())[:5])
+    return figures
 
 
 def table_figures(log_text: str) -> dict:
@@ -238,19 +232,15 @@ def summarize(records: list[dict]) -> dict:
             "log": r.get("log")}
         result = results.get((name, r.get("call")))
         text = log_section(r["folder"], r.get("log", ""), name, r.get("call", "")) if r.get("log") else ""
-        part = r.get("part", name.split(":")[0])
-        key = name.split(":", 1)[1] if ":" in name else None
-        if part == "tests":
+        if name == "tests":
             figures["tests"] = test_counts(text)
-        elif part == "overhead":
+        elif name == "overhead":
             figures["overhead"] = overhead_figures(result, text)
-        elif part == "fixmatch":
+        elif name == "fixmatch":
             figures["fixmatch"] = fixmatch_figures(result)
-        elif part.startswith("profile"):
-            figures.setdefault("profile", {})[key or part] = profile_figures(result)
-        elif part == "host":
-            figures["host"] = host_figures(result)
-        elif part == "table":
+        elif name in ("profile", "host"):
+            figures[name] = profile_figures(result)
+        elif name == "table":
             figures["table"] = table_figures(text)
         elif result:
             figures[name] = result
@@ -295,17 +285,13 @@ def print_summary(summary: dict) -> None:
     for config, row in f.get("fixmatch", {}).get("configs", {}).items():
         print(f"fixmatch {config}: step {_f(row.get('step_s'), '.3f')} s = {_f(row.get('step_x_fixmatch'))}x FixMatch"
               + (f", {_f(row['step_x_floor'])}x floor" if "step_x_floor" in row else ""))
-    for key, row in f.get("profile", {}).items():
+    for name in ("profile", "host"):
+        row = f.get(name)
         if row:
-            print(f"profile {key}: {_f(row.get('ms_per_step'), '.0f')} ms/step, "
-                  f"{_f(row.get('launches_per_step'), '.0f')} launches, {_f(row.get('syncs_per_step'), '.1f')} syncs "
-                  "per step")
-    host = f.get("host")
-    if host:
-        print(f"host: {_f(host.get('wall_ms_per_step'), '.0f')} ms/step (profiled), "
-              f"{_f(host.get('kernel_launches_per_step'), '.0f')} launches, {_f(host.get('syncs_per_step'))} syncs, "
-              f"peak {_f(host.get('peak_mb'), '.0f')} MB; top host places (ms/step): "
-              + "; ".join(f"{p['name']} {_f(p['ms_per_step'])}" for p in host.get("top_host_places", [])))
+            print(f"{name}: {_f(row.get('wall_ms_per_step'), '.0f')} ms/step (profiled), "
+                  f"{_f(row.get('kernel_launches_per_step'), '.0f')} launches, {_f(row.get('syncs_per_step'))} syncs, "
+                  f"peak {_f(row.get('peak_mb'), '.0f')} MB; top host places (ms/step): "
+                  + "; ".join(f"{p['name']} {_f(p['ms_per_step'])}" for p in row.get("top_host_places", [])))
 
 
 def main() -> None:

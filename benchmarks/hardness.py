@@ -84,12 +84,14 @@ def _worker(model: str, preset: str, seed: int, samples: int, out: Path) -> None
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
         def on_augmented(self, trainer, pl_module, augmented):
-            self.bn_mode = augmented.bn_mode  # the normalisation the solver resolved ("auto" picks it)
-            if augmented.stats is None or not len(augmented):
+            made = self.runner().last  # this batch's hard positives: the solver's diagnostics and its forward
+            if made.forward is not None:
+                self.bn_mode = made.forward.bn_mode  # the normalisation the solver resolved ("auto" picks it)
+            if made.stats is None or not len(augmented):
                 return
             delta = (augmented.inputs - self._clean[augmented.mask]).flatten(1)
-            rows["perceptual"] += augmented.stats.perceptual_distance.tolist()
-            rows["projected"] += augmented.stats.projected.float().tolist()
+            rows["perceptual"] += made.stats.perceptual_distance.tolist()
+            rows["projected"] += made.stats.projected.float().tolist()
             rows["l2"] += delta.norm(dim=1).tolist()
             rows["rms"] += (delta.pow(2).mean(1).sqrt() / x.std()).tolist()
 

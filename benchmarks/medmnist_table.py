@@ -18,7 +18,7 @@ epochs only). Ablations: ``lpa3_random`` (the same share selected at random each
 evaluated with the wall-clock time, for the time-to-accuracy plot. Writes one JSON per run
 (``*.partial.json`` after every epoch until it ends), ``table.md`` (mean +- std over seeds) and
 ``time_to_accuracy.png``. With ``--jobs N`` the runs share the machine, so their wall times
-include the contention: compare the times of runs made side by side, or use step_overhead.py.
+include the contention: compare the times of runs made side by side, or use ``step_cost.py ratios``.
 """
 
 from __future__ import annotations

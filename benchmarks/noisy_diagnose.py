@@ -188,8 +188,9 @@ def pes_run(args: argparse.Namespace, data) -> tuple:
                 right = guess[1].argmax(1).cpu() == clean[idx[~labeled]]
                 c["unl"] += float((~labeled).sum())
                 c["guess_right"] += float(right.sum())
-            augmented = pl_module._lpa3_augmented
-            if augmented is not None and len(augmented):
+            made = lpa3.runner().last  # this batch's hard positives (None without x')
+            if made is not None and len(made.augmented):
+                augmented = made.augmented
                 c["adv"] += len(augmented)
                 c["adv_right"] += float((augmented.targets.cpu() == clean[augmented.indices.cpu()]).sum())
 

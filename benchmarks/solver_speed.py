@@ -10,9 +10,7 @@ x' from the authors' (project=False must match bit for bit on the CPU; on CUDA r
 differences grow through the 1/slope step), the fraction of samples whose label is preserved
 (log p(y|x') >= log p(y|x) - sigma, re-evaluated by one forward of the batch in full float32,
 1e-5 allowed for rounding), the largest excess of the drop over sigma and the mean
-perceptual distance. Also timed: the sync-free solver (``sync_free=True``, no host read) and the
-same replayed as a CUDA graph (``graphs=SolverGraphs()``, captured by the untimed first call;
-on the CPU it solves the same rows eagerly). On a GPU the whole benchmark runs with TF32 off (lpa3_attack always
+perceptual distance. On a GPU the whole benchmark runs with TF32 off (lpa3_attack always
 computes in full float32, see its docstring) and deterministic cuDNN kernels, so that the
 authors' x' can be compared with ours: both are otherwise amplified by the 1/slope step.
 
@@ -41,9 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import apply_threads, device_label, run_arguments, sync, write_result  # noqa: E402
 from lpa3_lightning import lpa3_attack  # noqa: E402
 from lpa3_lightning.core.features import PerceptualFeatures  # noqa: E402
-from lpa3_lightning.core.input_box import resolve_input_range  # noqa: E402
-from lpa3_lightning.core.solver_forward import full_float32, label_logp  # noqa: E402
-from lpa3_lightning.core.solver_graphs import SolverGraphs  # noqa: E402
+from lpa3_lightning.core.forward_modes import full_float32, label_logp  # noqa: E402
 from lpa3_lightning.models import medmnist_resnet, wrn28_2  # noqa: E402
 
 SIGMA = 0.02
@@ -105,7 +101,7 @@ def _time_interleaved(runs: dict, repeats: int, device: torch.device) -> dict[st
     outs: dict[str, torch.Tensor] = {}
     if device.type == "cuda":
         for fn in runs.values():
-            fn()  # CUDA/cuDNN initialisation, kernel selection and graph capture are not the solver's cost
+            fn()  # CUDA/cuDNN initialisation and kernel selection are not the solver's cost
     for _ in range(repeats):
         for label, fn in runs.items():
             sync(device)
@@ -171,21 +167,15 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
         noise = torch.rand(x.shape, generator=torch.Generator(device).manual_seed(1), device=device)
         low, high = -1.0, 1.0
 
-        bounds = resolve_input_range((low, high), x)
-        graphs = SolverGraphs()  # the first (warm-up) call captures; the timed ones replay
-
         def ours(**kwargs):
-            kwargs.setdefault("input_range", (low, high))
-            return lpa3_attack(model, x, y, sigma=SIGMA, generator=torch.Generator(device).manual_seed(1), **kwargs)
+            return lpa3_attack(model, x, y, sigma=SIGMA, input_range=(low, high),
+                               generator=torch.Generator(device).manual_seed(1), **kwargs)
 
         runs = {
             "authors' loop (transcription)": lambda: authors_loop(model, x, y, noise, low, high),
             "lpa3_attack(project=False)": lambda: ours(project=False, max_step=None),  # the authors' x'
             "lpa3_attack() default": lambda: ours(),
             "lpa3_attack(fast=True)": lambda: ours(fast=True),
-            # the bounds as device tensors (from Python numbers each call they would be a host copy)
-            "lpa3_attack(sync_free=True)": lambda: ours(sync_free=True, input_range=bounds),
-            "... + graphs (CUDA graph)": lambda: ours(sync_free=True, input_range=bounds, graphs=graphs),
         }
         chosen = {label: fn for label, fn in runs.items()
                   if args.only is None or args.only in label or "authors" in label}

@@ -184,7 +184,7 @@ def run(source: str, labels: int, method: str, seed: int, steps: int, eval_every
     from lightning.pytorch.callbacks import Callback
 
     from lpa3_lightning import FixMatchClassifier, LPA3Callback
-    from lpa3_lightning.core.input_box import AUTO_MAX_STEP_FRACTION
+    from lpa3_lightning.core.solver import AUTO_MAX_STEP_FRACTION
     from lpa3_lightning.data import SemiSupervisedDataModule
     from lpa3_lightning.methods.fixmatch_ema import FixMatchEMA
 

@@ -1,27 +1,25 @@
 """LP-A3: label-preserving adversarial auto-augmentation (Yang et al., NeurIPS 2022) for Lightning.
 
 The package in folders: ``core`` (the algorithm in plain PyTorch: no Lightning import, usable in
-any training loop), ``callback`` (:class:`LPA3Callback` and its stages), ``methods`` (the mixins
+any training loop), ``callback`` (:class:`LPA3Callback`, its runner per network, hard positives, logging), ``methods`` (the mixins
 for supervised, FixMatch, PES and DivideMix training and their pieces), ``modules`` (ready
 LightningModules), ``data``, ``models`` and ``cli`` (the ``lpa3`` command).
 """
 
-from lpa3_lightning.core.attack import AttackStats, lpa3_attack
-from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
-from lpa3_lightning.core.augmented_forward import augmented_logits
 from lpa3_lightning.core.dual_bn import convert_dual_bn, has_dual_bn, use_twin_bn
 from lpa3_lightning.core.feature_layers import default_feature_layers
 from lpa3_lightning.core.features import PerceptualFeatures
+from lpa3_lightning.core.forward_modes import augmented_logits
 from lpa3_lightning.core.input_box import resolve_input_range
-from lpa3_lightning.core.selection import select_below_threshold, selection_threshold
-from lpa3_lightning.core.solver_graphs import SolverGraphs
-from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
+from lpa3_lightning.core.solver import AttackStats, SolverSettings, lpa3_attack
+from lpa3_lightning.core.tcs import TimeConsistency, selection_threshold, tcs_divergence, tcs_update
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AttackStats",
     "AugmentedBatch",
+    "LPA3Request",
     "CacheSettings",
     "DivideMixClassifier",
     "DivideMixSettings",
@@ -30,16 +28,13 @@ __all__ = [
     "FixMatchSettings",
     "LPA3Callback",
     "LPA3Classifier",
-    "LPA3Request",
     "LPA3Settings",
     "LoggingSettings",
     "PESClassifier",
     "PESSettings",
     "PerceptualFeatures",
-    "RuntimeSettings",
     "SelectionSettings",
     "SolverSettings",
-    "SolverGraphs",
     "SupervisedSettings",
     "TimeConsistency",
     "augmented_logits",
@@ -48,7 +43,6 @@ __all__ = [
     "has_dual_bn",
     "lpa3_attack",
     "resolve_input_range",
-    "select_below_threshold",
     "selection_threshold",
     "tcs_divergence",
     "tcs_update",
@@ -56,7 +50,7 @@ __all__ = [
 ]
 
 
-_SETTINGS = ("CacheSettings", "LoggingSettings", "RuntimeSettings", "SelectionSettings", "SolverSettings")
+_SETTINGS = ("CacheSettings", "LoggingSettings", "SelectionSettings")
 #: the mixins' settings (the ready modules' ``supervised=``, ``fixmatch=``, ``pes=``, ``dividemix=``)
 _MIXIN_SETTINGS = ("DivideMixSettings", "FixMatchSettings", "LPA3Settings", "PESSettings", "SupervisedSettings")
 
@@ -70,6 +64,10 @@ def __getattr__(name: str):  # Lightning-dependent names load lazily, keeping th
         from lpa3_lightning.methods import settings as mixin_settings
 
         return getattr(mixin_settings, name)
+    if name in ("AugmentedBatch", "LPA3Request"):
+        from lpa3_lightning.methods import base
+
+        return getattr(base, name)
     if name == "LPA3Callback":
         from lpa3_lightning.callback import LPA3Callback
 

@@ -181,3 +181,107 @@ class GlobalRandomState(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.restore is not None:
             torch.set_rng_state(self.restore)
+
+
+# ---------------------------------------------------------------------------------------- host reads
+# Counting host reads of tensor values in a block (where a GPU run would wait: .item(), bool()/int()/float() of a
+# tensor, .tolist(), nonzero(), a boolean-mask index); on the CPU they happen at the same places. Copies between
+# devices are not seen. (The package's own counter until 0.4.0, when the sync-free path it served was removed.)
+import collections  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+#: The ``Tensor`` methods that read a value on the host.
+HOST_READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero")
+
+
+class HostReadCounter:
+    """Counts host reads of tensor values while active (a context manager; not re-entrant).
+
+    Attributes:
+        counts: reads by kind (method name, or ``"boolean mask index"``).
+        sites: reads by call site, the innermost frame inside ``package`` (else ``"(outside)"``).
+    """
+
+    def __init__(self, package: str = "lpa3_lightning") -> None:
+        self.package = package
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.sites: collections.Counter[str] = collections.Counter()
+        self._saved: dict[str, Any] = {}
+        self._local = threading.local()
+
+    @property
+    def total(self) -> int:
+        """All reads counted so far."""
+        return sum(self.counts.values())
+
+    def _record(self, kind: str) -> None:
+        if getattr(self._local, "inside", False):
+            return  # a read made by another counted read (e.g. __bool__ calling item)
+        self._local.inside = True
+        try:
+            self.counts[kind] += 1
+            site = "(outside)"
+            for frame in reversed(traceback.extract_stack()[:-2]):
+                if f"/{self.package}/" in frame.filename.replace("\\", "/"):
+                    site = f"{Path(frame.filename).name}:{frame.lineno} {frame.line}"
+                    break
+            self.sites[site] += 1
+        finally:
+            self._local.inside = False
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def wrapped(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._record(name)
+            return original(tensor, *args, **kwargs)
+
+        return wrapped
+
+    def __enter__(self) -> HostReadCounter:
+        if self._saved:
+            raise RuntimeError("HostReadCounter is already active. Fix: use one `with` block at a time.")
+        tensor = torch.Tensor
+        for name in (*HOST_READS, "__getitem__", "__setitem__"):
+            self._saved[name] = getattr(tensor, name)
+        for name in HOST_READS:
+            setattr(tensor, name, self._wrap(name, self._saved[name]))
+        getitem, setitem = self._saved["__getitem__"], self._saved["__setitem__"]
+
+        def is_mask(index: Any) -> bool:
+            parts = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+        def masked_getitem(t: torch.Tensor, index: Any) -> Any:
+            if is_mask(index):
+                self._record("boolean mask index")
+            return getitem(t, index)
+
+        def masked_setitem(t: torch.Tensor, index: Any, value: Any) -> Any:
+            # a scalar written through a mask is a masked_fill (no read); a tensor of values is not
+            if is_mask(index) and isinstance(value, torch.Tensor) and value.dim() > 0:
+                self._record("boolean mask index")
+            return setitem(t, index, value)
+
+        tensor.__getitem__ = masked_getitem  # type: ignore[method-assign]
+        tensor.__setitem__ = masked_setitem  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved = {}
+
+
+def handed_over(module: Any, inputs: torch.Tensor, targets: torch.Tensor, indices: torch.Tensor, mask: torch.Tensor,
+                *, bn_mode: str = "eval", statistics: Any = None, reference_inputs: torch.Tensor | None = None,
+                network: str | None = None, skipped: int = 0) -> Any:
+    """An AugmentedBatch as the callback hands it over (its verified forward attached: the network, BN mode,
+    statistics and reference rows the solver would have used), built by hand for a module's loss."""
+    from lpa3_lightning.callback.hard_positives import VerifiedForward
+    from lpa3_lightning.methods.base import AugmentedBatch
+
+    model = module.lpa3_model() if network is None else module.lpa3_model(network=network)
+    batch = AugmentedBatch(inputs=inputs, targets=targets, indices=indices, mask=mask, skipped=skipped)
+    batch.verified = VerifiedForward(model, module.lpa3_logits, bn_mode, statistics, reference_inputs, False)
+    return batch

@@ -46,9 +46,9 @@ def _run(tmp_path: Path, mode: str, timeout: float = 300) -> subprocess.Complete
 #: the runs that end normally, made one after the other in one launch of two processes (their
 #: start-up is most of a short run's time); the runs that must fail (a refusal on one rank) and
 #: the one whose whole log is read get their own launch
-SHARED_MODES = ("ignore_aug", "ignore_aug+sync_free", "ignore_aug+sharded", "supervised", "empty_rank1", "empty_rank1+sync_free", "padded",
-                "padded+sync_free", "padded+sharded", "fixmatch", "pes", "dividemix", "dividemix_stratified", "noise_full+sync_free",
-                "noise_first+sync_free", "noise_resume+sync_free", "syncbn_dividemix", "syncbn_pes_grid", "user_module", "seed_differs")
+SHARED_MODES = ("ignore_aug", "ignore_aug+sharded", "supervised", "empty_rank1", "padded", "padded+sharded", "fixmatch",
+                "pes", "dividemix", "dividemix_stratified", "noise_full", "noise_first", "noise_resume", "syncbn_dividemix",
+                "syncbn_pes_grid", "user_module", "seed_differs")
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +106,8 @@ def _single_process_reference() -> tuple[dict[int, list[torch.Tensor]], TimeCons
     return masks, tcs
 
 
-@pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
-def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shared, path):
-    rank0, rank1 = _results(shared, "ignore_aug" + path)
+def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shared):
+    rank0, rank1 = _results(shared, "ignore_aug")
     _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     assert bool(rank0["tcs"]["seen"].all())
 
@@ -122,7 +121,7 @@ def test_memory_identical_on_both_ranks_and_selection_equals_single_process(shar
     torch.testing.assert_close(rank0["tcs"]["scores"], reference.scores, atol=1e-5, rtol=0)
 
     # rank 0 wrote the checkpoint: it holds the synced memory
-    saved = lpa3_state(shared / ("ignore_aug" + path) / "final.ckpt")["tcs"]
+    saved = lpa3_state(shared / "ignore_aug" / "final.ckpt")["tcs"]
     assert torch.equal(saved["memory"], rank0["tcs"]["memory"])
 
 
@@ -148,7 +147,6 @@ def test_the_sharded_memory_runs_the_same_fit_as_the_replicated_one(shared, mode
 @pytest.mark.parametrize("mode, expected", [
     # the step's one reduction; the memory's size exchange and its gather (int64 columns, float32 rows)
     ("ignore_aug", {"all_reduce": 1, "all_gather": 3}),
-    ("ignore_aug+sync_free", {"all_reduce": 1, "all_gather": 3}),
     # split memory: rows to their owners (all-to-all), the owners' divergences summed (an all-reduce)
     ("ignore_aug+sharded", {"all_reduce": 2, "all_gather": 2, "all_to_all_single": 1}),
     # a rank without x' joins the same collectives as the other
@@ -168,11 +166,11 @@ def test_each_step_makes_one_reduction_and_the_memory_exchange(shared, mode, exp
 
 def test_ranks_seeded_differently_agree_on_the_callbacks_seed_and_its_random_first_pass(shared):
     rank0, rank1 = _results(shared, "seed_differs")
-    from lpa3_lightning.core.selection import random_selection
+    from lpa3_lightning.core.tcs import random_selection
 
     # rank 0's: its torch seed is 1000, rank 1's 1001 (tests/ddp/run_ddp.py); not the largest of them
     assert rank0["seed"] == rank1["seed"] == 1000
-    share = random_selection(torch.arange(N), N, 0.5, rank0["seed"], epoch=0)  # rank 0's seed: the one share
+    share = random_selection(N, 0.5, rank0["seed"], epoch=0)  # rank 0's seed: the one share
     for result in (rank0, rank1):
         for idx, mask in result["steps"][:N // 16]:  # the first pass, before any threshold
             expected = share[idx]
@@ -191,9 +189,8 @@ def test_supervised_mixin_with_twin_bn_and_cache_under_ddp(shared):
     assert int((rank0["cache"]["written"] >= 0).sum()) > PER_RANK_BATCH * 2
 
 
-@pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
-def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(shared, path):
-    rank0, rank1 = _results(shared, "empty_rank1" + path)
+def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(shared):
+    rank0, rank1 = _results(shared, "empty_rank1")
     # seen from the modules: rank 1 trained on no x', rank 0 did (its harness empties rank 1's selection)
     assert sum(rank1["seen_augmented"]) == 0 and sum(rank0["seen_augmented"]) > 0
     _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
@@ -201,9 +198,8 @@ def test_a_rank_that_selects_nothing_neither_deadlocks_nor_fails(shared, path):
     assert twin_keys and all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in twin_keys)
 
 
-@pytest.mark.parametrize("path", ["", "+sync_free"], ids=["default_path", "sync_free"])
-def test_padded_duplicates_update_each_sample_once_an_epoch(shared, path):
-    rank0, rank1 = _results(shared, "padded" + path)
+def test_padded_duplicates_update_each_sample_once_an_epoch(shared):
+    rank0, rank1 = _results(shared, "padded")
     _same_on_both_ranks(rank0["tcs"], rank1["tcs"])
     assert rank0["applied"] == {epoch: N_PADDED for epoch in range(EPOCHS)}
 
@@ -312,9 +308,8 @@ def test_pes_splits_the_same_way_on_both_ranks_through_all_three_phases(shared):
 
 def test_each_rank_draws_its_own_solver_noise_after_a_resume(shared):
     """Resumed from epoch 0's checkpoint, every rank's epoch-1 x' (its solver noise included) equal
-    an uninterrupted run's on that rank (once, rank 0's generator state was restored on every rank).
-    On the sync-free path, the GPU's default; the noise's seed does not depend on the path."""
-    runs = {mode: _results(shared, mode + "+sync_free") for mode in ("noise_full", "noise_resume")}
+    an uninterrupted run's on that rank (once, rank 0's generator state was restored on every rank)."""
+    runs = {mode: _results(shared, mode) for mode in ("noise_full", "noise_resume")}
     for rank in (0, 1):
         full = [(idx, x) for epoch, idx, x in runs["noise_full"][rank]["x_prime"] if epoch == 1]
         resumed = [(idx, x) for epoch, idx, x in runs["noise_resume"][rank]["x_prime"] if epoch == 1]

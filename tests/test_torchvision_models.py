@@ -75,8 +75,9 @@ class RecordsStats(LPA3Callback):
     """Keeps each batch's solver statistics of its x' (distance in the model's features, projected)."""
 
     def on_augmented(self, trainer, pl_module, augmented):
-        if augmented.stats is not None and len(augmented):
-            self.stats.append((augmented.stats.perceptual_distance, augmented.stats.projected))
+        stats = self.runner().last.stats  # (the solver's diagnostics of the batch handed over now)
+        if stats is not None and len(augmented):
+            self.stats.append((stats.perceptual_distance, stats.projected))
 
     stats: list = []
 

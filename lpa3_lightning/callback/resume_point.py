@@ -26,10 +26,15 @@ due, a ``ReduceLROnPlateau`` stepped every step.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ResumePoint", "drop_pending_position", "last_batch_checkpoint", "resume_into_epoch_end"]
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+__all__ = ["ResumeBookkeeping", "ResumePoint", "drop_pending_position", "is_lpa3_state", "last_batch_checkpoint",
+           "refuse_a_split_memory_outside_lightning", "refuse_an_unrestored_loader_position", "resume_into_epoch_end",
+           "warn_of_other_lpa3_states"]
 
 
 @dataclass
@@ -116,3 +121,120 @@ def resume_into_epoch_end(checkpoint: dict[str, Any]) -> ResumePoint | None:
     validation["is_last_batch"] = False
     stepped = int(fit.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", 0))
     return ResumePoint(epoch=int(fit["epoch_progress"]["current"]["completed"]), batches_that_stepped=stepped + 1)
+
+
+class ResumeBookkeeping:
+    """The callback's part of a resumed fit: a checkpoint of an epoch's last batch (before the epoch's end)
+    resumes into that end; with a loader that keeps no state Lightning skips it, and the callback ends its own
+    part (the selection threshold) at the fit's start, saying what was skipped."""
+
+    def __init__(self) -> None:
+        self.point: ResumePoint | None = None  # Lightning runs the epoch's end (a rewritten checkpoint)
+        self.unended_epoch: int | None = None  # Lightning skips it (a loader without state)
+
+    def checkpoint_loaded(self, checkpoint: dict[str, Any]) -> None:
+        self.point = resume_into_epoch_end(checkpoint)
+        if self.point is not None:
+            rank_zero_info(f"LPA3Callback: the checkpoint was written on epoch {self.point.epoch}'s last batch, before "
+                           "the epoch's end: the fit resumes into that end (its validation and on_train_epoch_end), "
+                           "which Lightning would skip.")
+        elif last_batch_checkpoint(checkpoint):
+            self.unended_epoch = int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+            rank_zero_warn(
+                f"The checkpoint was written on epoch {self.unended_epoch}'s last batch, before the epoch's end, and "
+                "the training loader keeps no state (or had ended its pass): Lightning resumes as if the epoch had "
+                "ended, without its validation, its on_train_epoch_end hooks and the next epoch's on_train_epoch_start "
+                "(a resume there would begin a new pass inside the finished epoch). LPA3Callback ends its own part "
+                "(the selection threshold). Fix: a training loader that keeps its position "
+                "(lpa3_lightning.data.train_loader, or torchdata's StatefulDataLoader): the resume then runs the "
+                "epoch's end; or resume from a checkpoint written at an epoch's end."
+            )
+
+    def train_start(self, runners: list[tuple[Any, Any]]) -> None:
+        """The pass ended on the checkpoint's batch and Lightning resumes past its end: its threshold now."""
+        if self.unended_epoch is not None:
+            for runner, _ in runners:
+                runner.memory().refresh_threshold()
+            self.unended_epoch = None
+
+    def epoch_end(self, trainer: Any) -> None:
+        if self.point is not None:
+            self.point.epoch_end(trainer)
+            self.point = None
+
+    @staticmethod
+    def pass_over(trainer: Any) -> bool:
+        """Whether the ending epoch went through its training batches (not stopped mid-epoch by ``max_steps`` or
+        ``trainer.should_stop``; ``limit_train_batches`` counts)."""
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        return bool(batches.is_last_batch) or batches.current.ready >= trainer.num_training_batches
+
+    def clear(self) -> None:
+        self.point = self.unended_epoch = None
+
+
+def refuse_an_unrestored_loader_position(trainer: Any) -> None:
+    """Refuse a resumed fit whose training loader's saved position Lightning left unloaded: something set the
+    loader up before the checkpoint's loops were restored (``configure_optimizers`` reading
+    ``trainer.estimated_stepping_batches``, Lightning issue #20550), and the resumed epoch would train another
+    pass's batches, silently.
+
+    Raises:
+        RuntimeError: naming the cause and the fix.
+    """
+    loop = trainer.fit_loop
+    if loop.restarting and getattr(loop, "_combined_loader_states_to_load", None):  # (read only)
+        raise RuntimeError(
+            "The checkpoint holds the training loader's position, but Lightning did not restore it: the training "
+            "loader was set up before the checkpoint was loaded, typically by `trainer.estimated_stepping_batches` "
+            "read in `configure_optimizers` (Lightning issue #20550), so the resumed epoch would train other batches "
+            "than the uninterrupted run. Fix: read the run's length when the schedule first steps, not in "
+            "configure_optimizers (e.g. a LambdaLR whose function reads trainer.estimated_stepping_batches at its "
+            "first call with k > 0, as FixMatchClassifier does), or resume from a checkpoint written at an epoch's "
+            "end."
+        )
+
+
+def is_lpa3_state(state: Any) -> bool:
+    """Whether a callback state in a checkpoint is an LPA3Callback's (of any class or settings)."""
+    return isinstance(state, dict) and "networks" in state and "seed" in state and "version" in state
+
+
+def warn_of_other_lpa3_states(checkpoint: dict[str, Any], state_key: str) -> None:
+    """Warn when a checkpoint holds LP-A3 state only under other callbacks' keys (the resumed callback then
+    starts with a fresh memory)."""
+    states = checkpoint.get("callbacks", {})
+    others = [key for key, state in states.items() if key != state_key and is_lpa3_state(state)]
+    if others and state_key not in states:
+        rank_zero_warn(
+            f"The checkpoint holds LP-A3 state under {others}, not under this callback's {state_key!r} (its class, "
+            "ratio, sigma, steps or layers differ): this callback starts with a fresh TCS memory. Fix: resume with "
+            "the callback class and settings the checkpoint was written with to continue its memory."
+        )
+
+
+def refuse_a_split_memory_outside_lightning(memories: list[Any]) -> None:
+    """A memory split over the processes is assembled by its ``state_dict``, a collective: refuse a call that
+    Lightning's checkpointing (which calls it on every rank) did not make.
+
+    Raises:
+        RuntimeError: naming the fix.
+    """
+    split = [memory for memory in memories if getattr(memory, "num_shards", 1) > 1]
+    if split and not _called_by_lightning():
+        raise RuntimeError(
+            f"LPA3Callback's TCS memory is split over {split[0].num_shards} processes (selection.memory_layout), so "
+            "its state_dict() assembles it from every process: a collective, which a call on one process alone would "
+            "leave waiting. Fix: let Lightning write it (trainer.save_checkpoint(path), on every rank; ModelCheckpoint "
+            "does so), or use selection.memory_layout='replicated'."
+        )
+
+
+def _called_by_lightning() -> bool:
+    """Whether the callback's ``state_dict`` was called by Lightning's checkpointing, past the frames of this
+    check and of the ``state_dict`` of the class and its subclasses."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name == "state_dict":
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_call_callbacks_state_dict" \
+        and frame.f_globals.get("__name__", "").startswith(("lightning.pytorch", "pytorch_lightning"))

@@ -2,8 +2,8 @@
 
 The callback takes the few settings a user tunes (``ratio``, ``sigma``, ``steps``,
 ``warmup_epochs``, ``seed``, and ``layers`` / ``input_range`` where they cannot be inferred)
-directly, and the rest in five groups: :class:`SolverSettings`, :class:`SelectionSettings`,
-:class:`CacheSettings`, :class:`RuntimeSettings` and :class:`LoggingSettings`. LightningCLI fills
+directly, and the rest in four groups: :class:`SolverSettings`, :class:`SelectionSettings`,
+:class:`CacheSettings` and :class:`LoggingSettings`. LightningCLI fills
 a group from nested YAML keys::
 
     - class_path: lpa3_lightning.LPA3Callback
@@ -26,13 +26,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lpa3_lightning.core.arguments import check_choice, check_flag, check_int, check_number, dataclass_from
 from lpa3_lightning.core.cache import DEFAULT_MAX_BYTES
-from lpa3_lightning.core.input_box import MaxStep, check_max_step
-from lpa3_lightning.core.selection import check_criterion, check_initial_selection, check_threshold_rule
-from lpa3_lightning.core.tcs import check_divergence, check_initial_memory, storage_dtype_of
+from lpa3_lightning.core.checks import check_choice, check_flag, check_int, check_number, dataclass_from
+from lpa3_lightning.core.solver import SolverSettings
+from lpa3_lightning.core.tcs import storage_dtype_of
 
-__all__ = ["AUGMENTS", "Augment", "CacheSettings", "LoggingSettings", "PRESETS", "RuntimeSettings", "SelectionSettings", "SolverSettings",
+__all__ = ["AUGMENTS", "Augment", "CacheSettings", "LoggingSettings", "PRESETS", "SelectionSettings", "SolverSettings",
            "RunSettings", "SHARD_ABOVE_BYTES", "check_augment", "preset_groups",
            "unknown_argument"]
 
@@ -42,8 +41,9 @@ Augment = Literal["lpa3", "null", "noise", "off"]
 AUGMENTS: tuple[str, ...] = ("lpa3", "null", "noise", "off")
 
 
-def check_augment(augment: Any, noise_norm: Any) -> tuple[str, float | None]:
-    """``(augment, noise_norm)`` checked: ``noise_norm`` (a number > 0) with ``"noise"`` and only there.
+def check_augment(augment: Any, noise_norm: Any, regenerate_every_n_epochs: int = 1) -> tuple[str, float | None]:
+    """``(augment, noise_norm)`` checked: ``noise_norm`` (a number > 0) with ``"noise"`` and only there; a control
+    with a cache (``regenerate_every_n_epochs > 1``: the controls solve nothing to cache) refused.
 
     Raises:
         ValueError: naming the argument and the fix.
@@ -54,6 +54,10 @@ def check_augment(augment: Any, noise_norm: Any) -> tuple[str, float | None]:
     """
     check_choice(augment, AUGMENTS, "augment",
                  "use 'lpa3' (hard positives), 'null' or 'noise' (the controls) or 'off' (no LP-A3 at all).")
+    if augment in ("null", "noise") and regenerate_every_n_epochs > 1:
+        raise ValueError(f"`augment={augment!r}` makes its x' without the solver, so there is nothing to cache, but "
+                         f"cache.regenerate_every_n_epochs={regenerate_every_n_epochs}. Fix: "
+                         "cache.regenerate_every_n_epochs=1, or augment='lpa3'.")
     if augment == "noise":
         if noise_norm is None:
             raise ValueError("`augment='noise'` needs `noise_norm`, the L2 norm of each row's noise. Fix: e.g. the "
@@ -64,44 +68,6 @@ def check_augment(augment: Any, noise_norm: Any) -> tuple[str, float | None]:
         raise ValueError(f"`noise_norm` is used by augment='noise' only, but augment={augment!r}. Fix: drop "
                          "noise_norm, or use augment='noise'.")
     return augment, None
-
-
-@dataclass(frozen=True)
-class SolverSettings:
-    """How each hard positive is solved (:func:`~lpa3_lightning.core.attack.lpa3_attack`).
-
-    Attributes:
-        lam: the Lagrange multiplier's scale (the authors: 1).
-        temperature: softmax temperature of ``log p`` and of the TCS predictions.
-        project: keep the label-preserving constraint on every sample by bisection (True) or run
-            the authors' unconstrained loop (False).
-        max_step: largest L2 length of one solver step: ``"auto"`` (2% of the input box's
-            diagonal), None (the authors' unbounded step) or a number.
-        fast: the cheaper solver (one finite-difference forward; the farthest feasible iterate).
-        attack_bn: how BatchNorm normalises in the solver and in the training forward of ``x'``:
-            ``"auto"`` (``"twin"`` when the model has twins, else ``"batch"`` when it has
-            BatchNorm, else ``"eval"``), ``"twin"`` (the twins, on the clean selected rows'
-            batch statistics), ``"batch"`` (the model's own BatchNorms on the statistics of the
-            whole clean batch, the ones its training forward normalises with; running buffers
-            untouched) or ``"eval"`` (the running statistics).
-        allow_tf32: let the solver use TF32 on CUDA (off: full float32).
-    """
-
-    lam: float = 1.0
-    temperature: float = 1.0
-    project: bool = True
-    max_step: MaxStep = "auto"
-    fast: bool = False
-    attack_bn: Literal["auto", "twin", "batch", "eval"] = "auto"
-    allow_tf32: bool = False
-
-    def __post_init__(self) -> None:
-        check_number(self.lam, "solver.lam", "use 1.0 (the authors').", minimum=0)
-        check_number(self.temperature, "solver.temperature", "use 1.0.", above=0)
-        check_max_step(self.max_step, "solver.max_step")
-        check_choice(self.attack_bn, ("auto", "twin", "batch", "eval"), "solver.attack_bn", "use 'auto'.")
-        for name in ("project", "fast", "allow_tf32"):
-            check_flag(getattr(self, name), f"solver.{name}", "use the default.")
 
 
 #: ``memory_layout="auto"`` splits the stored predictions over the processes only above this many bytes
@@ -150,12 +116,13 @@ class SelectionSettings:
         if self.num_samples is not None:
             check_int(self.num_samples, "selection.num_samples", 1,
                       "use None to infer it from the module or the train dataloader's dataset.")
-        check_divergence(self.divergence, "selection.divergence")
-        check_initial_memory(self.initial_memory, "selection.initial_memory")
-        check_initial_selection(self.initial_selection, "selection.initial_selection")
-        check_threshold_rule(self.threshold_rule, "selection.threshold_rule")
-        check_criterion(self.criterion, "selection.criterion")
-        check_choice(self.memory_layout, ("auto", "sharded", "replicated"), "selection.memory_layout", "use 'auto'.")
+        for name, choices, fix in (("divergence", ("code", "paper"), "use 'code' (the authors' code)."),
+                                   ("initial_memory", ("uniform", "authors"), "use 'uniform' (a distribution)."),
+                                   ("initial_selection", ("random", "all"), "use 'random' ('all': the authors')."),
+                                   ("threshold_rule", ("count", "authors"), "use 'count' (select round(ratio * N))."),
+                                   ("criterion", ("tcs", "random"), "use 'tcs' ('random' is its ablation)."),
+                                   ("memory_layout", ("auto", "sharded", "replicated"), "use 'auto'.")):
+            check_choice(getattr(self, name), choices, f"selection.{name}", fix)
         storage_dtype_of(self.memory_dtype, "selection.memory_dtype")
 
     def sharded(self, num_samples: int, num_classes: int, world_size: int) -> bool:
@@ -200,32 +167,10 @@ class CacheSettings:
         if isinstance(self.dir, os.PathLike):
             object.__setattr__(self, "dir", os.fspath(self.dir))  # a Path is kept as its string
         if self.dir is not None and not isinstance(self.dir, str):
-            raise ValueError(f"`cache.dir` must be a folder path or None, got {self.dir!r}.")
+            raise ValueError(f"`cache.dir` must be a folder path or None, got {self.dir!r}. Fix: e.g. '/scratch/lpa3', or "
+                             "None to keep x' in memory.")
         for name in ("attack_new_selections", "on_device", "in_checkpoint"):
             check_flag(getattr(self, name), f"cache.{name}", "use the default.")
-
-
-@dataclass(frozen=True)
-class RuntimeSettings:
-    """How the per-batch path runs on the hardware.
-
-    Attributes:
-        sync_free: the per-batch path without host reads of device values: ``"auto"`` (on an
-            accelerator, not on the CPU), True or False.
-        cuda_graphs: on the sync-free path, run the solver as a CUDA graph captured once per
-            padded number of selected rows (off by default: it pays in long runs).
-    """
-
-    sync_free: bool | Literal["auto"] = "auto"
-    cuda_graphs: bool = False
-
-    def __post_init__(self) -> None:
-        check_choice(self.sync_free, (True, False, "auto"), "runtime.sync_free",
-                     "use 'auto' (no host reads on an accelerator, the default path on the CPU).")
-        check_flag(self.cuda_graphs, "runtime.cuda_graphs", "use False.")
-        if self.cuda_graphs and self.sync_free is False:
-            raise ValueError("`runtime.cuda_graphs=True` needs the sync-free path, but `runtime.sync_free=False`. Fix: "
-                             "use sync_free='auto' (on a GPU) or True, or cuda_graphs=False.")
 
 
 @dataclass(frozen=True)
@@ -271,7 +216,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                                threshold_rule="authors")},
 }
 GROUPS = {"solver": SolverSettings, "selection": SelectionSettings, "cache": CacheSettings,
-          "runtime": RuntimeSettings, "logging": LoggingSettings}
+          "logging": LoggingSettings}
 
 
 def _group_of(name: str) -> str | None:
@@ -335,10 +280,8 @@ class RunSettings:
         seed: the base seed of the solver's noise (the callback's ``seed``, or one fixed at the
             first fit and kept in checkpoints when it is None).
         input_range: the solver's input box (``"auto"`` resolved from the data module).
-        sync_free: whether the per-batch path reads nothing on the host (``runtime.sync_free``
-            resolved for the module's device).
         world_size, rank: the processes of the fit.
-        solver, selection, cache, runtime, logging: the groups.
+        solver, selection, cache, logging: the groups.
         augment, noise_norm: what the selected rows' ``x'`` are (the callback's ``augment``).
     """
 
@@ -349,13 +292,11 @@ class RunSettings:
     seed: int
     layers: Any
     input_range: Any
-    sync_free: bool
     world_size: int
     rank: int
     solver: SolverSettings
     selection: SelectionSettings
     cache: CacheSettings
-    runtime: RuntimeSettings
     logging: LoggingSettings
     augment: str = "lpa3"
     noise_norm: float | None = None

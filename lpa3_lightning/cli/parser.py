@@ -42,7 +42,7 @@ def explain(message: str) -> str | None:
         return f"{message.strip()}: `{optimizer.group(1)}:` is not an option of lpa3. {OPTIMIZER_NOTE}"
     from lpa3_lightning.callback.lpa3_callback import LPA3Callback
     from lpa3_lightning.callback.settings import GROUPS, _group_of
-    from lpa3_lightning.core.arguments import dataclass_from
+    from lpa3_lightning.core.checks import dataclass_from
 
     groups = {cls: name for name, cls in GROUPS.items()}
     for path, key in _NOT_ACCEPTED.findall(message):

@@ -21,12 +21,12 @@ import torch
 import yaml
 from torch.utils.data import Subset, default_collate
 
-from lpa3_lightning.callback.lpa3_callback import is_lpa3_state
-from lpa3_lightning.core.attack import lpa3_attack
-from lpa3_lightning.core.batch_statistics import resolve_bn_mode
+from lpa3_lightning.callback.resume_point import is_lpa3_state
+from lpa3_lightning.core.solver import lpa3_attack
+from lpa3_lightning.core.forward_modes import resolve_bn_mode
 from lpa3_lightning.core.dual_bn import has_dual_bn
-from lpa3_lightning.core.input_box import check_max_step
-from lpa3_lightning.core.model_outputs import eval_mode
+from lpa3_lightning.core.solver import check_max_step
+from lpa3_lightning.core.checks import eval_mode
 from lpa3_lightning.core.visualize import difference_peak, save_comparison_grid
 from lpa3_lightning.modules import DivideMixClassifier, FixMatchClassifier, LPA3Classifier, PESClassifier
 from lpa3_lightning.modules.ready import NETWORK_RECORD, NetworkNotSavedError

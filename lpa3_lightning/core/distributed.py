@@ -1,15 +1,9 @@
 """The collectives of the per-step exchange between processes (no Lightning).
 
-Under data parallelism every process sees a different slice of each global batch. The TCS
-memory (:mod:`lpa3_lightning.core.tcs`) keeps every rank identical by exchanging each step's
-rows: :func:`exchange_sizes` tells every rank how many rows each sends (and whether a rank
-withdrew from the step), :func:`gather_padded` concatenates every rank's rows in rank order.
-``DistributedSampler`` pads the last global batch with duplicate indices; the first occurrence
-in rank order is kept (:func:`deduplicate_first`), so every rank keeps the same rows.
-
-Bytes per sample and step: 8 (int64 index) + 8 (finiteness) + 8 (int64 label) + 4 * C (float32
-probabilities); with a cache (``regenerate_every_n_epochs > 1``) each newly generated ``x'`` adds
-8 + (bytes of one input) to a second gather. Each rank receives ``world_size`` times its own share.
+Every process sees a different slice of each global batch; the TCS memory keeps every rank identical by
+exchanging each step's rows: :func:`exchange_sizes` (how many rows each rank sends, or that one withdrew),
+then :func:`gather_padded` (every rank's rows in rank order). The first occurrence of an index in rank order is
+kept (:func:`deduplicate_first`; ``DistributedSampler`` pads the last batch with repeats).
 """
 
 from __future__ import annotations
@@ -23,10 +17,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = [
-    "PeerAborted", "batchnorm_buffers_kept", "bytes_per_sample", "communication_device", "deduplicate_first",
-    "exchange_sizes", "gather_padded", "gather_rows", "is_distributed", "needs_every_rank",
-]
+__all__ = ["PeerAborted", "batchnorm_buffers_kept", "bytes_per_sample", "communication_device", "deduplicate_first",
+           "exchange_sizes", "gather_padded", "gather_rows", "is_distributed", "max_over_ranks", "needs_every_rank"]
 
 
 class PeerAborted(RuntimeError):
@@ -39,18 +31,15 @@ def is_distributed() -> bool:
 
 
 def needs_every_rank(model: nn.Module) -> bool:
-    """Whether a train-mode forward of ``model`` is a collective: a SyncBatchNorm in training
-    mode inside a process group of several processes all-gathers its batch statistics, so
-    every rank must make that forward, also with no rows of its own (an empty batch is fine:
-    SyncBatchNorm counts it as zero samples), or the others wait for it for ever."""
+    """Whether a train-mode forward of ``model`` is a collective (a SyncBatchNorm in training mode, in a group of
+    several processes): every rank must then make it, with an empty batch when it has no rows."""
     return is_distributed() and any(isinstance(m, nn.SyncBatchNorm) and m.training for m in model.modules())
 
 
 @contextlib.contextmanager
 def batchnorm_buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Every BatchNorm's running buffers as they were before the block: for the empty forward a
-    rank makes only to join SyncBatchNorm's collective (when every rank's batch is empty the
-    gathered statistics are of no sample, and the running statistics must not move with them)."""
+    """Every BatchNorm's running buffers as they were before the block (for the empty forward a rank makes
+    only to join SyncBatchNorm's collective: statistics of no sample must not move them)."""
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     saved = [(m.running_mean.clone(), m.running_var.clone(),
               None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
@@ -72,20 +61,21 @@ def communication_device() -> torch.device:
     return torch.device("cpu")
 
 
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks: one all-reduce (not ``trainer.strategy.reduce``, which adds a
+    barrier: a second collective a step)."""
+    flags = torch.tensor(values, dtype=torch.float64, device=communication_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
+
+
 def bytes_per_sample(num_classes: int) -> int:
-    """Bytes one sample adds to the per-step all-gather (index, finiteness, label, probabilities)."""
+    """Bytes one sample adds to the per-step all-gather: int64 index, finiteness and label, float32 probabilities."""
     return 8 + 8 + 8 + 4 * num_classes
 
 
 def deduplicate_first(indices: Tensor) -> Tensor:
-    """Boolean mask keeping the first occurrence of every index (in the given order).
-
-    Example:
-        >>> deduplicate_first(torch.tensor([3, 1, 3, 2, 1])).tolist()
-        [True, True, False, True, False]
-    """
-    if indices.numel() == 0:
-        return torch.zeros(0, dtype=torch.bool, device=indices.device)
+    """Boolean mask keeping the first occurrence of every index (in the given order)."""
     order = torch.argsort(indices, stable=True)
     sorted_idx = indices[order]
     first_sorted = torch.ones_like(sorted_idx, dtype=torch.bool)
@@ -96,15 +86,9 @@ def deduplicate_first(indices: Tensor) -> Tensor:
 
 
 def exchange_sizes(rows: int, abort: bool = False) -> list[int]:
-    """Every rank's number of rows this step (one all-gather, read on the host).
-
-    ``abort``: this rank withdraws from the step (it raises its own error after the call); every
-    other rank raises :class:`PeerAborted` here, so none waits in a later collective. Outside a
-    process group: ``[rows]``.
-
-    Raises:
-        PeerAborted: on a rank that did not abort, when another did.
-    """
+    """Every rank's number of rows this step (one all-gather; ``[rows]`` outside a group). ``abort``: this rank
+    withdraws (its own error follows); every other rank raises :class:`PeerAborted`, waiting in no later
+    collective."""
     if not is_distributed():
         return [rows]
     size = torch.tensor([-1 if abort else rows], device=communication_device())
@@ -118,12 +102,8 @@ def exchange_sizes(rows: int, abort: bool = False) -> list[int]:
 
 
 def gather_padded(tensors: Sequence[Tensor], sizes: list[int]) -> list[Tensor]:
-    """Each tensor's rows from every rank, concatenated in rank order (``sizes``: rows per rank).
-
-    The tensors of one call are packed by dtype (one all-gather per dtype), so a step's index,
-    label and finiteness columns travel together. Collective; returns the inputs outside a
-    process group.
-    """
+    """Each tensor's rows from every rank, concatenated in rank order (``sizes``: rows per rank); collective,
+    one all-gather per dtype (the inputs as they are outside a process group)."""
     if not is_distributed():
         return list(tensors)
     device, longest = communication_device(), max(sizes)
@@ -131,10 +111,10 @@ def gather_padded(tensors: Sequence[Tensor], sizes: list[int]) -> list[Tensor]:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for k, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(k)
-    for dtype, members in by_dtype.items():
+    for members in by_dtype.values():
         widths = [math.prod(tensors[k].shape[1:]) for k in members]
         flat = [tensors[k].reshape(tensors[k].shape[0], width).to(device) for k, width in zip(members, widths)]
-        packed = torch.cat(flat, dim=1) if flat else torch.empty(0, device=device, dtype=dtype)
+        packed = torch.cat(flat, dim=1)
         padded = packed.new_zeros((longest, packed.shape[1]))
         padded[: packed.shape[0]] = packed
         parts = [torch.empty_like(padded) for _ in sizes]
@@ -149,9 +129,8 @@ def gather_padded(tensors: Sequence[Tensor], sizes: list[int]) -> list[Tensor]:
 
 
 def gather_rows(indices: Tensor, *rows: Tensor) -> tuple[Tensor, ...]:
-    """Every rank's ``(indices, *rows)`` (e.g. freshly solved ``x'`` and their labels), the first
-    occurrence of each index kept. Collective; each tensor must have the same trailing shape on
-    every rank (an empty ``(0, ...)`` tensor when a rank has none)."""
+    """Every rank's ``(indices, *rows)`` (e.g. freshly solved ``x'`` and their labels), the first occurrence of
+    each index kept. Collective; each tensor has the same trailing shape on every rank (``(0, ...)``: none)."""
     if not is_distributed():
         return (indices, *rows)
     sizes = exchange_sizes(int(indices.shape[0]))

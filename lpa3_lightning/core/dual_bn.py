@@ -1,15 +1,10 @@
 """Twin BatchNorm: a second set of BN statistics and affine parameters for augmented samples.
 
-Adversarial augmentations have different activation statistics from clean data; pooling
-them in one BatchNorm corrupts the statistics used at test time (docs/method.md: measured about
-2.4 ACC points lost on BreastMNIST). Following the authors (and AdvProp, Xie et al. 2020),
-every BatchNorm gets a twin that only augmented samples go through.
-
-:func:`convert_dual_bn` swaps each ``BatchNorm{1,2,3}d`` in place for a subclass that keeps
-the original module's parameters and buffers under the *same* state-dict keys (so a plain
-checkpoint loads and evaluates with the main BN) and adds the twin under ``<name>.twin``.
-:func:`use_twin_bn` routes forwards through the twins for the duration of a ``with`` block;
-:mod:`lpa3_lightning.core.batch_statistics` normalises them on frozen batch statistics.
+Adversarial augmentations have other activation statistics than clean data, and pooling them in one BatchNorm
+corrupts the statistics used at test time; following the authors (and AdvProp, Xie et al. 2020), every
+BatchNorm gets a twin that only augmented samples go through. :func:`convert_dual_bn` keeps the original
+module's parameters and buffers under the same state-dict keys (a plain checkpoint loads and evaluates with
+the main BN) and adds the twin under ``<name>.twin``; :func:`use_twin_bn` routes forwards through the twins.
 """
 
 from __future__ import annotations
@@ -24,10 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = [
-    "DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm",
-    "anchor_twin_parameters", "convert_dual_bn", "dual_layers", "has_dual_bn", "twin_parameters", "use_twin_bn",
-]
+__all__ = ["DualBatchNorm1d", "DualBatchNorm2d", "DualBatchNorm3d", "DualSyncBatchNorm", "LocalBatchNorm",
+           "anchor_twin_parameters", "convert_dual_bn", "dual_layers", "has_dual_bn", "use_twin_bn"]
 
 #: The authors' momentum for the twin BN's running statistics.
 TWIN_MOMENTUM = 0.01
@@ -36,68 +29,43 @@ TWIN_MOMENTUM = 0.01
 class _DualBatchNormMixin:
     """Adds a routed twin to a BatchNorm class. ``self`` *is* the main BN."""
 
-    twin: _BatchNorm
-    _route_twin: bool
-    _twin_track_stats: bool
-    _anchor_twin: bool
-
     def _init_twin(self, twin: _BatchNorm) -> None:
-        self.twin = twin
-        self._route_twin = False
-        self._twin_track_stats = True
-        self._anchor_twin = False
+        self.twin, self._route_twin, self._twin_track_stats, self._anchor_twin = twin, False, True, False
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
         if not self._route_twin:
             out = super().forward(x)  # type: ignore[misc]
-            if self._anchor_twin and torch.is_grad_enabled():
-                # Under DDP every parameter must receive a gradient in every step; a step (or a
-                # rank) without x' never uses the twins, so their parameters join the graph here
-                # with an exact zero (see anchor_twin_parameters).
+            if self._anchor_twin and torch.is_grad_enabled():  # an exact zero (see anchor_twin_parameters)
                 out = out + sum(0.0 * p.sum() for p in self.twin.parameters())
             return out
         twin = self.twin
         if self._twin_track_stats or not twin.training:
             return twin(x)
-        # Batch statistics without touching the twin's running buffers.
-        twin._check_input_dim(x)
+        twin._check_input_dim(x)  # batch statistics, the twin's running buffers untouched
         return F.batch_norm(x, None, None, twin.weight, twin.bias, True, 0.0, twin.eps)
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        # A plain (unconverted) checkpoint has no twin keys: start the twin as a copy of the
-        # main BN being loaded instead of reporting missing keys. ``nn.Module.load_state_dict``
-        # hands each module a private copy of the dict and loads children (the twin) after
-        # their parent, so adding the keys here is enough.
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # a plain checkpoint has no twin keys: the twin starts as a copy of the main BN (each module
+        # gets a private copy of the dict, and the twin is loaded after its parent)
         twin_prefix = prefix + "twin."
         if not any(k.startswith(twin_prefix) for k in state_dict):
             for name in list(self.twin.state_dict()):
                 if prefix + name in state_dict:
                     # a copy: with load_state_dict(assign=True) the twin must not share storage
                     state_dict[twin_prefix + name] = state_dict[prefix + name].clone()
-        super()._load_from_state_dict(  # type: ignore[misc]
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
 
 
 class DualBatchNorm1d(_DualBatchNormMixin, nn.BatchNorm1d):
-    """BatchNorm1d with a twin for augmented samples (see module docstring)."""
+    """BatchNorm1d with a twin for augmented samples."""
 
 
 class DualBatchNorm2d(_DualBatchNormMixin, nn.BatchNorm2d):
-    """BatchNorm2d with a twin for augmented samples (see module docstring)."""
+    """BatchNorm2d with a twin for augmented samples."""
 
 
 class DualBatchNorm3d(_DualBatchNormMixin, nn.BatchNorm3d):
-    """BatchNorm3d with a twin for augmented samples (see module docstring)."""
+    """BatchNorm3d with a twin for augmented samples."""
 
 
 class LocalBatchNorm(_BatchNorm):
@@ -109,11 +77,8 @@ class LocalBatchNorm(_BatchNorm):
 
 
 class DualSyncBatchNorm(_DualBatchNormMixin, nn.SyncBatchNorm):
-    """SyncBatchNorm (main, synced across processes) with a local twin for augmented samples.
-
-    The twin never synchronises: ranks hold different numbers of augmented samples (some
-    none at all), and a collective inside their forward would deadlock.
-    """
+    """SyncBatchNorm (main, synced across processes) with a local twin for augmented samples (ranks hold
+    different numbers of them, some none: a collective in the twin's forward would deadlock)."""
 
 
 _DUAL_OF = {nn.BatchNorm1d: DualBatchNorm1d, nn.BatchNorm2d: DualBatchNorm2d, nn.BatchNorm3d: DualBatchNorm3d,
@@ -143,20 +108,16 @@ def _make_dual(bn: _BatchNorm, twin_momentum: float) -> _DualBatchNormMixin:
 def convert_dual_bn(model: nn.Module, twin_momentum: float = TWIN_MOMENTUM) -> nn.Module:
     """Give every BatchNorm1d/2d/3d and SyncBatchNorm of ``model`` a twin for augmented samples, in place.
 
-    ``SyncBatchNorm`` layers become :class:`DualSyncBatchNorm` (synced main, local twin): for
-    synced BN call ``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` *before* this function,
-    not ``Trainer(sync_batchnorm=True)``, which converts afterwards and would drop the twins
-    (LPA3Callback refuses that combination). Other BatchNorm subclasses are left alone.
-    Already converted layers are skipped, so calling twice is safe. Convert before the
-    optimizer is created: the new layers have new Parameter objects.
+    ``SyncBatchNorm`` layers become :class:`DualSyncBatchNorm` (call ``convert_sync_batchnorm`` *before*, not
+    ``Trainer(sync_batchnorm=True)``, which drops the twins); other BatchNorm subclasses and converted layers
+    are left alone. Convert before the optimizer is created: the new layers have new Parameters.
 
     Args:
         model: any network.
         twin_momentum: running-statistics momentum of the twins (authors: 0.01).
 
     Returns:
-        ``model`` itself, converted (also when the root module is a BatchNorm: then the new
-        module is returned and must be used instead).
+        ``model`` itself, converted (a root BatchNorm: the new module, to be used instead).
 
     Raises:
         ValueError: if ``twin_momentum`` is not in (0, 1].
@@ -184,42 +145,24 @@ def dual_layers(model: nn.Module) -> list[_DualBatchNormMixin]:
     return [m for m in model.modules() if isinstance(m, _DUAL_TYPES)]
 
 
-def twin_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The affine parameters of every twin BatchNorm of ``model``."""
-    return [p for layer in dual_layers(model) for p in layer.twin.parameters()]
-
-
 def has_dual_bn(model: nn.Module) -> bool:
     """Whether ``model`` has at least one twin BatchNorm (see :func:`convert_dual_bn`)."""
     return bool(dual_layers(model))
 
 
 def anchor_twin_parameters(model: nn.Module, enabled: bool = True) -> None:
-    """Make every main-BN forward of ``model`` add ``0 * sum(twin parameters)`` (or stop it).
-
-    Under DistributedDataParallel a parameter that takes no part in a step's loss makes the
-    reducer wait forever ("Expected to have finished reduction"); the twins take part only in
-    steps with ``x'`` (none in a warm-up, none on a rank that selected nothing). Anchored, the
-    twins receive an exact zero gradient in those steps; the output is unchanged. The
-    callback turns this on for the fit under DDP, so a user's module cannot forget it.
-    """
+    """Make every main-BN forward of ``model`` add ``0 * sum(twin parameters)`` (or stop it): under DDP a
+    parameter outside a step's loss stalls the reducer, and the twins are outside every step without ``x'``;
+    anchored, they get an exact zero gradient there, the output unchanged."""
     for layer in dual_layers(model):
         layer._anchor_twin = bool(enabled)
 
 
 @contextlib.contextmanager
 def use_twin_bn(model: nn.Module, track_running_stats: bool = True) -> Iterator[nn.Module]:
-    """Route every forward of ``model`` inside the block through the twin BatchNorms, in the
-    module's mode (the authors' forward of ``x'``: the ``x'`` batch's own statistics).
-
-    Args:
-        model: a model converted with :func:`convert_dual_bn`.
-        track_running_stats: False uses batch statistics in train mode without updating the
-            twins' running buffers.
-
-    Raises:
-        ValueError: if ``model`` has no twin BatchNorm.
-    """
+    """Route every forward of ``model`` inside the block through the twin BatchNorms, in the module's mode
+    (the authors' forward of ``x'``); ``track_running_stats=False``: batch statistics in train mode without
+    updating the twins' running buffers. ValueError if ``model`` has no twin BatchNorm."""
     layers = dual_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no twin BatchNorm. Fix: call `convert_dual_bn(model)` first.")

@@ -1,6 +1,5 @@
-"""Which layers' activations make the perceptual features: the documented default (found by
-one probe forward: the residual stages, attention blocks, or the convolutions) and names or
-glob patterns given by the user."""
+"""Which layers' activations make the perceptual features: the documented default (refined by one probe
+forward) and names or glob patterns given by the user."""
 
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lpa3_lightning.core.batch_statistics import capture_kept
-from lpa3_lightning.core.model_outputs import CONV_TYPES, eval_mode, first_tensor, token_batch_first
+from lpa3_lightning.core.checks import CONV_TYPES, eval_mode, first_tensor, token_batch_first
+from lpa3_lightning.core.forward_modes import capture_kept
 
 __all__ = ["default_feature_layers", "resolve_layers"]
 
@@ -23,54 +22,31 @@ __all__ = ["default_feature_layers", "resolve_layers"]
 #: Samples of the example input used by the probe forward (cheap; what fires does not depend on N).
 PROBE_SAMPLES = 2
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called, so their hooks never fire
-
 _RESIDUAL_STAGE = re.compile(r"layer\d+")  # torchvision ResNet and our MedMNIST ResNets
-
 _WRN_BLOCK = re.compile(r"block\d+")  # Wide-ResNet stages
 
 
 @dataclass
 class _Probe:
-    """What one probe saw: modules with a usable activation in both solver modes, and more."""
+    """What one probe saw: ``order`` (the modules usable in both forwards, by first call), ``passthrough``
+    (returned one of their inputs: identity, dropout in eval, in-place ops), ``produces_output`` (gave the
+    model's output tensor), ``shapes`` (in the no-grad forward) and ``output_shape`` (of a tensor output)."""
 
-    #: usable in the no-grad and the grad forward, with the position of its first call
     order: dict[str, int] = field(default_factory=dict)
-    #: modules that returned one of their inputs (identity, dropout in eval, in-place ops)
     passthrough: set[str] = field(default_factory=set)
-    #: modules whose activation is the model's output tensor (the logits head)
     produces_output: set[str] = field(default_factory=set)
-    #: activation shapes in the no-grad forward
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    #: shape of the model output when it is a tensor
     output_shape: tuple[int, ...] | None = None
 
 
 def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
-    """Run the model on the first samples of ``example_input`` as the solver does and record hooks.
-
-    Two forwards with a hook on every module, the model in eval mode (as in the solver): one under
-    ``torch.no_grad()`` (the solver's clean forward) and one with an input that requires grad
-    (its later forwards). A fused fast path can skip submodules in one of them (e.g.
-    ``nn.TransformerEncoderLayer`` in eval mode under no_grad), and ``nn.MultiheadAttention``
-    never calls its ``out_proj`` (it uses the weights directly), so only modules that fire with
-    a usable activation (float, batch dim N first, or second for ``batch_first=False`` token
-    sequences) in both forwards qualify. Hooks may themselves switch a fast path off (current
-    torch runs ``nn.TransformerEncoderLayer``'s only when no hook is attached inside the layer);
-    that depends on hooks inside the layer only, so a module that fires here, with every module
-    hooked, also fires when only the chosen ones are.
-
-    Nothing of the model changes: every train/eval flag is restored, no backward runs (no
-    parameter or ``.grad`` moves), BatchNorm running statistics do not move in eval mode, a
-    frozen-statistics capture in progress is kept for the solver's first real forward
-    (:func:`~lpa3_lightning.core.batch_statistics.capture_kept`), and the global RNG streams are forked.
-
-    Raises:
-        TypeError: if ``example_input`` is not a tensor.
-    """
+    """Hooks on every module in two eval-mode forwards of the first samples of ``example_input``, under
+    ``torch.no_grad()`` and with an input requiring grad: a fused fast path can skip submodules in one of
+    them, so only modules with a usable activation (float, batch dim N first, or second for
+    ``batch_first=False`` tokens) in both qualify. The model's state is untouched; RNG streams are forked."""
     if not isinstance(example_input, Tensor):
-        raise TypeError(
-            f"`example_input` must be a tensor (a batch of model inputs), got {type(example_input).__name__}."
-        )
+        raise TypeError(f"`example_input` must be a tensor (a batch of model inputs), got "
+                        f"{type(example_input).__name__}.")
     x = example_input.detach()[:PROBE_SAMPLES]
     n = x.shape[0] if x.dim() > 0 else 0
     modules = dict(model.named_modules())
@@ -79,9 +55,8 @@ def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
     layouts: dict[str, bool | None] = {}
 
     def usable(name: str, activation: Tensor | None) -> bool:
-        if activation is None or not activation.is_floating_point() or activation.is_nested:
-            return False
-        if activation.layout != torch.strided or activation.dim() < 2:
+        if activation is None or not activation.is_floating_point() or activation.is_nested \
+                or activation.layout != torch.strided or activation.dim() < 2:
             return False
         if activation.shape[0] == n:
             return True
@@ -121,15 +96,12 @@ def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
                 with torch.no_grad():
                     output = model(x)
                 if isinstance(output, Tensor):
-                    outputs = [output]
                     result.output_shape = tuple(output.shape)
-                elif isinstance(output, dict):
-                    outputs = [o for o in output.values() if isinstance(o, Tensor)]
-                else:
-                    outputs = [o for o in output if isinstance(o, Tensor)] if isinstance(output, (tuple, list)) else []
+                values = [output] if isinstance(output, Tensor) else list(output.values()) \
+                    if isinstance(output, dict) else list(output) if isinstance(output, (tuple, list)) else []
+                outputs = [o for o in values if isinstance(o, Tensor)]
                 # the weak references of the head's activation are alive: the output holds it
-                result.produces_output.update(
-                    name for name, ref in refs.items() if any(ref() is o for o in outputs))
+                result.produces_output.update(name for name, ref in refs.items() if any(ref() is o for o in outputs))
         finally:
             for handle in handles:
                 handle.remove()
@@ -144,40 +116,28 @@ def _probe(model: nn.Module, example_input: Tensor) -> _Probe:
     return result
 
 
-def _outermost(names: list[str]) -> list[str]:
-    """Drop names nested in another name of the list (their activation is part of the outer one)."""
-    return [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
-
-
 def _attention_blocks(named: list[tuple[str, nn.Module]], fires: Callable[[str], bool]) -> list[str]:
-    """The module holding each ``nn.MultiheadAttention``: one transformer block / encoder layer each."""
+    """The module holding each ``nn.MultiheadAttention`` (one transformer block each), the outermost ones."""
     modules = dict(named)
     blocks: list[str] = []
-    for name, module in named:
-        if not isinstance(module, nn.MultiheadAttention):
-            continue
+    for name in (n for n, m in named if isinstance(m, nn.MultiheadAttention)):
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         # the attention itself when its parent is the root model or a container (never called)
         block = parent if parent and not isinstance(modules[parent], _CONTAINERS) and fires(parent) else name
         if fires(block) and block not in blocks:
             blocks.append(block)
-    return _outermost(blocks)
+    return [b for b in blocks if not any(b.startswith(o + ".") for o in blocks if o != b)]  # (nested: part of it)
 
 
 def _fallback(named: list[tuple[str, nn.Module]], probe: _Probe | None) -> list[str]:
-    """The deepest modules with an activation, except the logits head.
-
-    With a probe: the modules that fire with a float batch-major activation in both forwards and
-    have no such descendant, minus modules returning their input unchanged and the module whose
-    output is the model's output (else the last to fire with the output's shape). Without one:
-    every leaf module but the last registered one (taken to be the head).
-    """
+    """The deepest modules with an activation but the head: probed, those firing with no firing descendant
+    that neither return their input nor give the model's output (else: the last with the output's shape);
+    unprobed, every leaf module but the last registered one."""
     if probe is None:
         leaves = [n for n, m in named if next(m.children(), None) is None and not isinstance(m, _CONTAINERS)]
         return leaves[:-1]
     firing = list(probe.order)
-    deepest = [n for n in firing if not any(o.startswith(n + ".") for o in firing)]
-    deepest = [n for n in deepest if n not in probe.passthrough]
+    deepest = [n for n in firing if not any(o.startswith(n + ".") for o in firing) and n not in probe.passthrough]
     if any(n in probe.produces_output for n in deepest):
         deepest = [n for n in deepest if n not in probe.produces_output]
     else:
@@ -190,42 +150,15 @@ def _fallback(named: list[tuple[str, nn.Module]], probe: _Probe | None) -> list[
 
 
 def default_feature_layers(model: nn.Module, example_input: Tensor | None = None) -> list[str]:
-    """The documented default choice of feature layers for ``model``.
+    """The documented default feature layers of ``model`` (names as in ``named_modules()``; empty: none), by
+    the first rule that finds a module: 1. the shallowest stages ``layer1``, ``layer2``, ... (ResNets), 2. or
+    ``block1``, ... (Wide-ResNets), as the authors use; 3. the module holding each ``nn.MultiheadAttention``
+    (transformer blocks); 4. recurrent layers; 5. every convolution; 6. every ``nn.Linear`` but the last one
+    registered (the head); 7. the deepest modules producing an activation, except the head.
 
-    In order of preference (the first rule that finds a module wins):
-
-    1. residual stages named ``layer1``, ``layer2``, ... (torchvision ResNets and this
-       project's MedMNIST ResNets), as the authors use for PreAct-ResNet18;
-    2. stages named ``block1``, ``block2``, ... (Wide-ResNets), as the authors use for WRN-28;
-
-    (for 1 and 2 the shallowest such modules, so a wrapper holding the network finds them);
-    3. transformer blocks: the module holding each ``nn.MultiheadAttention`` (every
-       ``nn.TransformerEncoderLayer`` / ``DecoderLayer``, every torchvision ViT ``EncoderBlock``),
-       i.e. the output of each encoder layer;
-    4. recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): their output sequence (the top
-       layer's hidden state at every time step);
-    5. every convolution (plain CNNs, MobileNets, EfficientNets);
-    6. every ``nn.Linear`` except the last one registered (MLPs on tabular data or signals;
-       the last linear is taken to be the classification head);
-    7. a generic fallback: the deepest modules producing an activation, except the head.
-
-    Without ``example_input`` the rules read the structure only (cheap, for early validation);
-    with it, the model is probed (see :func:`resolve_layers`) and each rule keeps only modules
-    whose forward hooks fire, with a float activation whose batch dim is N, both under
-    ``torch.no_grad()`` and with an input requiring grad, the model in eval mode. So a module the
-    forward never calls (``nn.MultiheadAttention.out_proj``, whose weights are used directly)
-    or skips in a fused fast path is never chosen.
-
-    Args:
-        model: the network whose own activations define the perceptual space.
-        example_input: a batch of inputs to probe with (only its first 2 samples are used);
-            None for the structural rules alone.
-
-    Returns:
-        Module names as in ``model.named_modules()``; empty when nothing qualifies.
-
-    Raises:
-        TypeError: if ``example_input`` is not a tensor.
+    ``example_input``: a batch to probe with (its first 2 samples): each rule then keeps only modules that fire
+    with a float activation whose batch dim is N, under ``torch.no_grad()`` and with an input requiring grad,
+    in eval mode (TypeError if not a tensor). None: the structure alone.
     """
     named = [(name, m) for name, m in model.named_modules() if name]
     probe = None if example_input is None else _probe(model, example_input)
@@ -235,8 +168,7 @@ def default_feature_layers(model: nn.Module, example_input: Tensor | None = None
 
     names = [name for name, _ in named if fires(name)]
     for pattern in (_RESIDUAL_STAGE, _WRN_BLOCK):
-        # the shallowest stages, so that a wrapper (e.g. a LightningModule holding the
-        # network as ``self.model``) finds ``model.layer1`` ... as well
+        # the shallowest, so that a wrapper (a LightningModule's ``self.model``) finds ``model.layer1`` ... too
         stages = [name for name in names if pattern.fullmatch(name.rsplit(".", 1)[-1])]
         if stages:
             depth = min(name.count(".") for name in stages)
@@ -249,59 +181,38 @@ def default_feature_layers(model: nn.Module, example_input: Tensor | None = None
         if found:
             return found
     linears = [name for name, m in named if isinstance(m, nn.Linear) and fires(name)]
-    if len(linears) > 1:
-        return linears[:-1]
-    return _fallback(named, probe)
+    return linears[:-1] if len(linears) > 1 else _fallback(named, probe)
 
 
-def resolve_layers(
-    model: nn.Module, layers: str | Sequence[str] | None, example_input: Tensor | None = None
-) -> list[str]:
-    """Resolve exact names or ``fnmatch`` patterns (``"layer[1-4]"``, ``"features.?"``) to names.
-
-    Patterns follow :mod:`fnmatch`: ``*`` also matches dots, so ``"layer*"`` selects every
-    submodule of the stages too; use ``"layer?"`` or ``"layer[1-4]"`` for the stages alone.
-
-    Args:
-        model: the network.
-        layers: None for :func:`default_feature_layers`, or names / glob patterns.
-        example_input: for ``layers=None``, a batch to probe the default choice with: the
-            model runs twice on its first 2 samples, in eval mode, under ``torch.no_grad()``
-            and with an input requiring grad (the solver's two kinds of forward); flags,
-            parameters, ``.grad``, BatchNorm statistics and RNG streams are left as they were.
-            None: the structural rules alone. Explicit ``layers`` are not probed.
+def resolve_layers(model: nn.Module, layers: str | Sequence[str] | None,
+                   example_input: Tensor | None = None) -> list[str]:
+    """Module names for ``layers``: exact names or ``fnmatch`` patterns (``"layer[1-4]"``; ``*`` also matches
+    dots), or None for :func:`default_feature_layers` (probed with ``example_input``, model state untouched).
 
     Raises:
-        ValueError: naming ``layers=`` and listing the available module names when no default
-            layer qualifies (or, with ``example_input``, none fires), or when a pattern
-            matches nothing.
+        ValueError: naming ``layers=`` and listing the available module names when no default layer
+            qualifies, or when a pattern matches nothing.
         TypeError: if ``example_input`` is not a tensor.
     """
     available = [name for name, _ in model.named_modules() if name]
     if layers is None:
         chosen = default_feature_layers(model, example_input)
         if not chosen:
-            if example_input is None:
-                reason = ("(no `layerN`/`blockN` stage, attention block, recurrent layer, convolution, hidden "
-                          "nn.Linear or module before the head)")
-            else:
-                reason = ("that produces a float activation with the batch dim first in a forward pass in eval mode "
-                          "(probed under torch.no_grad() and with an input requiring grad)")
-            raise ValueError(
-                f"No default feature layer found in {type(model).__name__} {reason}. Fix: pass `layers=` with "
-                f"module names or patterns. Available names: {available}"
-            )
+            reason = ("(no `layerN`/`blockN` stage, attention block, recurrent layer, convolution, hidden nn.Linear "
+                      "or module before the head)" if example_input is None else
+                      "that produces a float activation with the batch dim first in a forward pass in eval mode "
+                      "(probed under torch.no_grad() and with an input requiring grad)")
+            raise ValueError(f"No default feature layer found in {type(model).__name__} {reason}. Fix: pass "
+                             f"`layers=` with module names or patterns. Available names: {available}")
         return chosen
     patterns = [layers] if isinstance(layers, str) else list(layers)
     if not patterns:
         raise ValueError("`layers` is empty. Fix: pass None for the default or at least one name.")
-    chosen: list[str] = []
+    chosen = []
     for pattern in patterns:
         hits = [n for n in available if n == pattern or fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ValueError(
-                f"`layers` pattern {pattern!r} matches no module of {type(model).__name__}. "
-                f"Fix: use one of the available names (or a glob over them): {available}"
-            )
+            raise ValueError(f"`layers` pattern {pattern!r} matches no module of {type(model).__name__}. "
+                             f"Fix: use one of the available names (or a glob over them): {available}")
         chosen.extend(h for h in hits if h not in chosen)
     return chosen

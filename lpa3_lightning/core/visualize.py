@@ -1,11 +1,4 @@
-"""Pictures of what LP-A3 does: x, x' and |x' - x| side by side (no Lightning).
-
-The paper shows hard positives next to the clean images (Fig. 3); this module builds the same
-kind of grid for any image batch: row 1 the inputs, row 2 the augmented inputs, row 3 the
-absolute difference on one scale for every image (the largest difference of the batch, or a
-given one, drawn white: a brighter column is a larger change), with optional text under the
-columns (e.g. each image's perceptual distance) and a caption (which white that was).
-"""
+"""Pictures of what LP-A3 does: x, x' and |x' - x| side by side, as the paper's Fig. 3 (no Lightning)."""
 
 from __future__ import annotations
 
@@ -18,6 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 from torchvision.utils import make_grid, save_image
+
+from lpa3_lightning.core.checks import check_int
 
 __all__ = ["comparison_grid", "difference_peak", "save_comparison_grid", "to_unit_range"]
 
@@ -41,22 +36,14 @@ def _unit_rows(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] | None
                          f"{tuple(x.shape)} and {tuple(x_adv.shape)}. Fix: pass images (for other inputs plot "
                          "the perceptual distance instead).")
     x, x_adv = x.detach().float().cpu(), x_adv.detach().float().cpu()
-    # One common scale for both rows (without a normalisation: the joint min and max), so an
-    # unchanged pixel shows the same grey in both and a zero difference.
-    both = torch.cat([x, x_adv])
+    both = torch.cat([x, x_adv])  # one scale for both rows: an unchanged pixel the same grey in both
     bounds = None if normalization is not None else (both.min(), both.max())
     return to_unit_range(x, normalization, bounds), to_unit_range(x_adv, normalization, bounds)
 
 
 def difference_peak(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] | None = None) -> float:
     """The largest ``|x' - x|`` of the batch in the grid's [0, 1] pixel units: the white of
-    :func:`comparison_grid`'s difference row (0.0 when nothing changed).
-
-    Example:
-        >>> x = torch.zeros(2, 1, 4, 4)
-        >>> difference_peak(x, x + 0.2, {"mean": [0.5], "std": [0.5]})  # 0.2 in x is 0.1 in pixels
-        0.1...
-    """
+    :func:`comparison_grid`'s difference row (0.0 when nothing changed)."""
     clean, augmented = _unit_rows(x, x_adv, normalization)
     return float((augmented - clean).abs().max()) if clean.numel() else 0.0
 
@@ -64,43 +51,31 @@ def difference_peak(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] |
 def comparison_grid(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] | None = None,
                     padding: int = 2, *, peak: float | None = None, scale: int = 1,
                     labels: Sequence[str] | None = None, caption: str | None = None) -> Tensor:
-    """A ``(3, H, W)`` float image in [0, 1]: inputs, hard positives and their differences.
-
-    Row 1 holds the inputs, row 2 the hard positives, on one grey scale (the normalisation undone,
-    or without one the batches' joint range); row 3 ``|x' - x|`` on one scale for every image,
-    ``peak`` (by default :func:`difference_peak`, the batch's largest difference) drawn white, so a
-    brighter column is a larger change. Say which ``peak`` it was where the picture goes (``caption``).
+    """A ``(3, H, W)`` float image in [0, 1]: a row of inputs, one of hard positives (on one grey scale),
+    and one of ``|x' - x|`` with ``peak`` drawn white for every image (a brighter column: a larger change).
 
     Args:
-        x: the inputs.
-        x_adv: their hard positives.
+        x, x_adv: ``(N, C, h, w)`` the inputs and their hard positives, C in {1, 3}.
         normalization: ``{"mean": [...], "std": [...]}`` the inputs were normalised with; None: the
             batches' joint range is black to white.
         padding: pixels between the images (before ``scale``).
-        peak: the difference drawn white, in [0, 1] pixel units (larger ones are clipped); None: the
-            batch's largest. Fix one to compare grids (e.g. epochs).
+        peak: the difference drawn white, in [0, 1] pixel units; None: the batch's largest (:func:`difference_peak`).
         scale: each pixel drawn as ``scale x scale`` pixels.
         labels: one text per image (lines split at ``\\n``), written under its column; cut to the column.
-        caption: a text under the whole grid (wrapped to its width).
+        caption: a text under the whole grid (wrapped to its width), e.g. which ``peak`` it was.
 
-    Shape:
-        - x, x_adv: ``(N, C, h, w)`` with C in {1, 3}.
-        - output: ``(3, scale * (3 * (h + padding) + padding) + T, scale * (N * (w + padding) + padding))``,
-          ``T`` the height of the text (0 without ``labels`` and ``caption``).
+    Returns:
+        ``(3, scale * (3 * (h + padding) + padding) + T, scale * (N * (w + padding) + padding))``, ``T`` the
+        height of the text (0 without ``labels`` and ``caption``).
 
     Raises:
-        ValueError: for batches that are not images of one shape, a ``peak`` that is not a positive
-            number, a ``scale`` below 1 or a ``labels`` of another length than the batch.
+        ValueError: for batches that are not images of one shape, or a bad ``peak``, ``scale`` or ``labels``.
 
     Example:
-        >>> grid = comparison_grid(torch.zeros(4, 1, 28, 28), torch.ones(4, 1, 28, 28) * 0.1)
-        >>> tuple(grid.shape)
-        (3, 92, 122)
         >>> tuple(comparison_grid(torch.zeros(4, 1, 28, 28), torch.ones(4, 1, 28, 28) * 0.1, scale=2).shape)
         (3, 184, 244)
     """
-    if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
-        raise ValueError(f"`scale` must be an int >= 1, got {scale!r}. Fix: e.g. scale=4 for 28 px images.")
+    check_int(scale, "scale", 1, "e.g. scale=4 for 28 px images.")
     if peak is not None and not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
         raise ValueError(f"`peak` must be a number > 0 (the difference drawn white, in [0, 1] pixel units), got "
                          f"{peak!r}. Fix: pass e.g. difference_peak(x, x_adv, normalization), or None.")
@@ -120,21 +95,15 @@ def comparison_grid(x: Tensor, x_adv: Tensor, normalization: Mapping[str, Any] |
                                         list(labels or []), caption or "", scale)], dim=1)
 
 
-def _font(scale: int) -> Any:
-    from PIL import ImageFont
-
-    try:
-        return ImageFont.load_default(size=min(10 + 2 * (scale - 1), 18))
-    except TypeError:  # (Pillow < 10.1: one bitmap size)
-        return ImageFont.load_default()
-
-
 def _text_strip(width: int, cell: int, offset: int, labels: list[str], caption: str, scale: int) -> Tensor:
     """A white ``(3, T, width)`` strip: ``labels[i]`` under column ``i`` (``cell`` pixels wide, the
     first starting at ``offset``), then ``caption`` wrapped to the width."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
-    font = _font(scale)
+    try:
+        font = ImageFont.load_default(size=min(10 + 2 * (scale - 1), 18))
+    except TypeError:  # (Pillow < 10.1: one bitmap size)
+        font = ImageFont.load_default()
     draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     line = draw.textbbox((0, 0), "Ag|", font=font)[3] + 2
 

@@ -17,7 +17,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms import functional as TF
 
-from lpa3_lightning.core.arguments import check_int
+from lpa3_lightning.core.checks import check_int
 from lpa3_lightning.data.indexed import IndexedDataset
 from lpa3_lightning.data.sampling import train_loader
 

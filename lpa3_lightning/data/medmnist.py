@@ -14,7 +14,7 @@ from medmnist.info import INFO
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from lpa3_lightning.core.arguments import check_int
+from lpa3_lightning.core.checks import check_int
 from lpa3_lightning.data.indexed import IndexedDataset, require_built, to_class_label
 from lpa3_lightning.data.sampling import train_loader
 

@@ -14,8 +14,7 @@ from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from lpa3_lightning.core.arguments import check_int
-from lpa3_lightning.core.seeds import epoch_seed
+from lpa3_lightning.core.checks import check_int, epoch_seed
 
 __all__ = ["EpochSampler", "RandomStream", "SplitBalancedSampler", "draws_split_balanced", "labeled_per_batch",
            "train_loader"]

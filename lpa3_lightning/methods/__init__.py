@@ -1,7 +1,5 @@
-"""The training methods that consume LP-A3's hard positives: one mixin each (supervised, FixMatch,
-PES, DivideMix) on the shared :class:`~lpa3_lightning.methods.base.LPA3ModuleMixin`, and their
-pieces (MixMatch's sharpening and mixup, DivideMix's split and co-refinement, FixMatch's EMA,
-what the noisy-label modules share). Each mixin's settings are one frozen dataclass
+"""The training methods that consume LP-A3's hard positives: one mixin each (supervised, FixMatch, PES,
+DivideMix) on :class:`~lpa3_lightning.methods.base.LPA3ModuleMixin`, their pieces and their settings
 (:mod:`lpa3_lightning.methods.settings`). Settings and what each loss returns: ``docs/mixins.md``.
 """
 

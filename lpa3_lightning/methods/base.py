@@ -1,37 +1,135 @@
-"""The small protocol between :class:`~lpa3_lightning.LPA3Callback` and a LightningModule.
+"""The protocol between :class:`~lpa3_lightning.LPA3Callback` and a LightningModule, and what travels in it.
 
-A module adopts LP-A3 by inheriting :class:`LPA3ModuleMixin` (its default
-:meth:`~LPA3ModuleMixin.lpa3_request` reads ``(x, y, index)`` batches); in ``training_step``
-it calls :meth:`~LPA3ModuleMixin.lpa3_record_predictions` with its clean logits (they feed
-the time-consistency memory, so no extra forward is spent on it),
-:meth:`~LPA3ModuleMixin.lpa3_take_augmented` to get the hard positives, and
-:meth:`~LPA3ModuleMixin.lpa3_forward_augmented` for their logits: the forward under which
-the solver verified that every ``x'`` keeps its label (the callback measures it there). Each
-mixin reads its settings from one attribute, ``lpa3_settings``, a frozen dataclass of
-:mod:`lpa3_lightning.methods.settings`.
+The callback asks, the module answers: for each training batch the callback asks the module for an
+:class:`LPA3Request` (inputs, labels to preserve, dataset indices; :meth:`LPA3ModuleMixin.lpa3_request`),
+selects and solves, and hands the module one :class:`AugmentedBatch` per network before ``training_step``
+(:meth:`~LPA3ModuleMixin.lpa3_set_augmented`). In ``training_step`` the module records its clean logits
+(:meth:`~LPA3ModuleMixin.lpa3_record_predictions`: they feed the time-consistency memory, no extra forward),
+takes the hard positives (:meth:`~LPA3ModuleMixin.lpa3_take_augmented`) and gets their logits from
+:meth:`~LPA3ModuleMixin.lpa3_forward_augmented`: the forward under which the solver verified that every
+``x'`` keeps its label (the callback measures ``lpa3/label_preserved`` there). After the step the callback
+asks for the recorded predictions (:meth:`~LPA3ModuleMixin.lpa3_pop_predictions`). Each mixin reads its
+settings from one attribute, ``lpa3_settings`` (:mod:`lpa3_lightning.methods.settings`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lpa3_lightning.core.augmented import AugmentedBatch, LPA3Request
-from lpa3_lightning.core.augmented_forward import augmented_logits
-from lpa3_lightning.core.model_outputs import output_to_logits
+from lpa3_lightning.core.checks import output_to_logits
 from lpa3_lightning.methods.settings import LPA3Settings
 
-__all__ = ["BatchNormStatisticsFrozen", "LPA3ModuleMixin", "split_indexed_batch"]
+__all__ = ["AugmentedBatch", "BatchNormStatisticsFrozen", "CALLBACK_MARKER", "LPA3ModuleMixin", "LPA3Request",
+           "REQUIRED_METHODS", "consumes_augmented", "lpa3_callbacks", "selected_positions", "split_indexed_batch"]
+
+#: Methods the callback calls on a module (checked when the callback sets up).
+REQUIRED_METHODS = ("lpa3_request", "lpa3_model", "lpa3_logits", "lpa3_set_augmented", "lpa3_pop_predictions")
+#: The attribute (True) that marks an LP-A3 callback: a module finds the Trainer's without importing it.
+CALLBACK_MARKER = "is_lpa3_callback"
+
+
+def lpa3_callbacks(callbacks: Iterable[Any]) -> list[Any]:
+    """The LP-A3 callbacks among ``callbacks`` (e.g. ``trainer.callbacks``)."""
+    return [c for c in callbacks if getattr(c, CALLBACK_MARKER, False) is True]
+
+
+def consumes_augmented(module: Any, epoch: int) -> bool:
+    """The module's word on whether its loss trains ``x'`` in ``epoch`` (a module without
+    :meth:`LPA3ModuleMixin.lpa3_consumes_augmented` always does)."""
+    consumes = getattr(module, "lpa3_consumes_augmented", None)
+    return bool(consumes(epoch)) if callable(consumes) else True
+
+
+def selected_positions(mask: Tensor, count: int) -> Tensor:
+    """The positions of the ``count`` True entries of ``mask``, in order (a stable sort: no host read of the
+    count, which the caller knows).
+
+    Example:
+        >>> selected_positions(torch.tensor([False, True, False, True]), 2).tolist()
+        [1, 3]
+    """
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
+
+
+@dataclass
+class LPA3Request:
+    """What a module offers for augmentation on one training batch.
+
+    Attributes:
+        inputs: ``(B, ...)`` inputs in the space the model takes.
+        targets: ``(B,)`` labels to preserve (true labels or pseudo-labels).
+        indices: ``(B,)`` dataset indices (the key of the TCS memory).
+        train_mask: optional ``(B,)`` bool: the rows whose ``x'`` the loss will weigh above zero (FixMatch: the
+            pseudo-label's confidence above its second threshold). A selected row outside it is not solved; it
+            is counted in ``AugmentedBatch.skipped`` (the loss's denominator) and its clean input still sets
+            the twin statistics, so the loss is the one of solving every selected row, provided ``x'`` trains
+            in the verified forward (``train_forward="verified"``). With a cache every selected row is solved
+            (a later epoch may reuse a row not trained now). None: every selected row is solved.
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    indices: Tensor
+    train_mask: Tensor | None = None
+
+
+@dataclass
+class AugmentedBatch:
+    """The hard positives of one batch (of one network), handed to the module before ``training_step``.
+
+    Attributes:
+        inputs: ``(M, ...)`` the augmented inputs ``x'`` (detached).
+        targets: ``(M,)`` their labels (the request's).
+        indices: ``(M,)`` their dataset indices.
+        mask: ``(B,)`` which rows of the request got an ``x'`` (``M = mask.sum()``).
+        skipped: selected rows not solved because the request's ``train_mask`` left them out; ``M +
+            skipped`` is the number selected, the denominator of a loss averaged as the authors average it.
+        from_cache: ``(M,)`` bool, with a cache: which ``x'`` were taken from it; None without one.
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    indices: Tensor
+    mask: Tensor
+    skipped: int = 0
+    from_cache: Tensor | None = None
+    #: the forward the solver verified, which :meth:`forward` calls (set by the callback; its attributes, the BN
+    #: mode, the reference rows, the statistics and the last logits of ``x'``, are the callback's diagnostics)
+    verified: Any = field(default=None, repr=False)
+    _taken: bool = field(default=False, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.inputs.shape[0])
+
+    def positions(self) -> Tensor:
+        """The request's positions of the ``M`` rows, in order (pick per-sample values of the batch with
+        ``confidence.index_select(0, augmented.positions())``, without the host read of a boolean index)."""
+        return selected_positions(self.mask, len(self))
+
+    def forward(self, inputs: Tensor | None = None, train_forward: str = "verified") -> Tensor:
+        """Logits of ``x'`` (or of other ``inputs`` built from them, e.g. mixed with labeled rows), with
+        autograd, in the forward the solver verified the label under (``"verified"``: its BatchNorm
+        normalisation, eval mode, full precision) or the authors' (``"batch_stats"``); see
+        :func:`~lpa3_lightning.core.forward_modes.augmented_logits`.
+
+        Raises:
+            RuntimeError: for a batch the callback did not make (no forward attached).
+        """
+        if self.verified is None:
+            raise RuntimeError("This AugmentedBatch carries no forward: only the batches LPA3Callback hands over do. "
+                               "Fix: forward x' with lpa3_lightning.core.forward_modes.augmented_logits.")
+        return self.verified(self.inputs if inputs is None else inputs, train_forward, of_x_prime=inputs is None)
 
 
 def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """``(inputs, targets, indices)`` of a batch from an index-returning dataset.
-
-    Accepts a ``(x, y, index)`` tuple/list or a mapping with keys ``input``/``target``/``index``.
+    """``(inputs, targets, indices)`` of a ``(x, y, index)`` tuple/list or an ``{"input", "target", "index"}`` dict.
 
     Raises:
         ValueError: if the batch carries no dataset indices, naming the fix.
@@ -51,8 +149,8 @@ def split_indexed_batch(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class BatchNormStatisticsFrozen:
-    """Leave every BatchNorm's running statistics (and batch count) as they are during a forward
-    in train mode (momentum 0), e.g. the no-grad pseudo-label forwards of FixMatch and PES."""
+    """Every BatchNorm's running statistics (and batch count) left as they are during a train-mode forward
+    (momentum 0): the no-grad guessing forwards of PES and DivideMix, FixMatch's diagnostic request."""
 
     def __init__(self, model: nn.Module) -> None:
         self.norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
@@ -70,64 +168,55 @@ class BatchNormStatisticsFrozen:
                 m.num_batches_tracked.copy_(tracked)
 
 
-
-
-
 class LPA3ModuleMixin:
     """Mixin for a LightningModule trained with :class:`~lpa3_lightning.LPA3Callback`.
 
     Attributes:
         lpa3_settings: the mixin's settings, an instance of :attr:`lpa3_settings_class`
-            (:class:`~lpa3_lightning.methods.settings.LPA3Settings` here: ``train_forward``);
-            set ``self.lpa3_settings = LPA3Settings(...)`` in ``__init__`` to change them.
-        lpa3_num_classes: number of classes of the model's logits (sizes the TCS memory);
-            set it in ``__init__``. A fact about the data, not a setting.
+            (:class:`~lpa3_lightning.methods.settings.LPA3Settings` here: ``train_forward``).
+        lpa3_num_classes: the number of classes of the model's logits (sizes the TCS memory); set it in
+            ``__init__``. A fact about the data, not a setting.
     """
 
     #: the class :attr:`lpa3_settings` must be an instance of (each mixin names its own)
     lpa3_settings_class: ClassVar[type[LPA3Settings]] = LPA3Settings
     lpa3_settings: LPA3Settings = LPA3Settings()
     lpa3_num_classes: int | None = None
-    _lpa3_augmented: AugmentedBatch | None = None
-    _lpa3_predictions: tuple[Tensor, Tensor, Tensor | None] | None = None
-    _lpa3_augmented_logits: Tensor | None = None
 
-    def lpa3_batches_per_epoch(self, given: int | None = None) -> int:
-        """``given``, or the attached trainer's training batches per epoch (1 when unknown): the
-        step count that makes a loss's ramp-up advance within an epoch
-        (``epoch + batch_idx / batches_per_epoch``)."""
-        if given is not None:
-            return max(1, int(given))
-        batches = getattr(getattr(self, "_trainer", None), "num_training_batches", None)
-        return int(batches) if isinstance(batches, (int, float)) and 1 <= batches < float("inf") else 1
-
-    def lpa3_split_batch(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
-        """``(inputs, targets, indices)`` of a training batch; the default reads ``(x, y, index)``
-        tuples or ``{"input", "target", "index"}`` dicts and names the fix for a batch without
-        indices (:func:`split_indexed_batch`). Override for another batch layout."""
-        return split_indexed_batch(batch)
+    # ------------------------------------------------------------------ what the callback asks
+    def lpa3_model(self, network: str | None = None) -> nn.Module:
+        """The network to attack, whose layers give the perceptual features (default: the module itself;
+        return the backbone so that layer names are the backbone's). A module with several networks
+        (:meth:`lpa3_networks`) returns the one named ``network``."""
+        return self  # type: ignore[return-value]
 
     def lpa3_request(self, batch: Any) -> LPA3Request:
-        """The inputs, labels to preserve and dataset indices of ``batch`` (default: from
-        :meth:`lpa3_split_batch`, the true labels). Override to preserve other labels
-        (pseudo-labels) or to offer another view of the batch."""
+        """The inputs, labels to preserve and dataset indices of ``batch`` (default: :meth:`lpa3_split_batch`, the
+        true labels). Override to preserve other labels (pseudo-labels) or offer another view of the batch."""
         x, y, idx = self.lpa3_split_batch(batch)
         return LPA3Request(inputs=x, targets=y, indices=idx)
 
-    def lpa3_model(self, network: str | None = None) -> nn.Module:
-        """The network to attack and whose layers give the perceptual features.
+    def lpa3_logits(self, output: Any) -> Tensor:
+        """``lpa3_model()``'s output as logits (default: a tensor, else refused with the fix); override for
+        tuple / dict / dataclass outputs, e.g. ``return output["logits"]``."""
+        return output_to_logits(output, fix=f"override `lpa3_logits(output)` in {type(self).__name__} to return the "
+                                            "(N, classes) logits, e.g. `return output[0]` or `return output['logits']`")
 
-        Defaults to the module itself; override to return the backbone (e.g. ``self.model``)
-        so that layer names are the backbone's. A module with several networks
-        (:meth:`lpa3_networks`) returns the one named ``network``.
-        """
-        return self  # type: ignore[return-value]
+    def lpa3_consumes_augmented(self, epoch: int) -> bool:
+        """Whether this module's loss trains ``x'`` in ``epoch`` (default: always). The callback solves only in
+        those epochs (after its own ``warmup_epochs``): PES's semi phase, DivideMix after its warm-up, FixMatch
+        after its LP-A3 term's warm-up. The TCS memory keeps updating either way."""
+        return True
+
+    def lpa3_networks(self) -> tuple[str, ...] | None:
+        """The networks LP-A3 runs on, each with its own memory, selection, twins and cache (DivideMix's
+        ``("net1", "net2")``); None (default): one network. With names, the callback passes ``network=<name>``
+        to :meth:`lpa3_request`, :meth:`lpa3_model` and the hand-over methods."""
+        return None
 
     def lpa3_check_settings(self) -> None:
-        """Refuse an :attr:`lpa3_settings` that is not an instance of this mixin's settings class
-        (the fields themselves were validated when it was built). The callback calls it in
-        ``setup``, and the mixins' losses on every call (an ``isinstance``: it also catches
-        settings replaced after the first step).
+        """Refuse an :attr:`lpa3_settings` that is not an instance of this mixin's settings class (the callback
+        calls it in ``setup``, the losses at each call).
 
         Raises:
             TypeError: naming the expected class and the fix.
@@ -141,106 +230,58 @@ class LPA3ModuleMixin:
                 "lpa3_lightning.mixins); its fields are the mixin's settings (docs/mixins.md)."
             )
 
-    def lpa3_consumes_augmented(self, epoch: int) -> bool:
-        """Whether this module's loss trains ``x'`` in ``epoch`` (default: always).
-
-        The callback solves only in the epochs where this is True (and after its own
-        ``warmup_epochs``): a method that trains ``x'`` only in some phases (PES's semi-supervised
-        phase, DivideMix after its warm-up, FixMatch after its LP-A3 loss warm-up) says so here,
-        and no solve is spent on ``x'`` nobody trains. The TCS memory keeps updating either way.
-        """
-        return True
-
-    def lpa3_networks(self) -> tuple[str, ...] | None:
-        """Names of the networks LP-A3 runs on, each with its own memory, selection, twin BN and
-        cache (e.g. DivideMix's ``("net1", "net2")``); None (default): one network.
-
-        With names, the callback calls :meth:`lpa3_request`, :meth:`lpa3_model` and the hand-over
-        methods with ``network=<name>`` (see :mod:`lpa3_lightning.callback.networks`)."""
-        return None
-
-    # The hand-over slots: plain attributes for the single network (network=None), a dict for named ones.
-    def _lpa3_slot(self, attr: str, network: str | None) -> Any:
-        if network is None:
-            return getattr(self, attr)
-        return self.__dict__.get("_lpa3_named_slots", {}).get((attr, network))
-
-    def _lpa3_set_slot(self, attr: str, network: str | None, value: Any) -> None:
-        if network is None:
-            setattr(self, attr, value)
-        else:
-            self.__dict__.setdefault("_lpa3_named_slots", {})[(attr, network)] = value
-
-    def lpa3_forward_context(self) -> Any:
-        """The run's precision for a forward made outside ``training_step``: Lightning's
-        precision plugin's forward context (autocast under ``"bf16-mixed"`` / ``"16-mixed"``) when
-        a trainer is attached, else a no-op.
-
-        The callback calls :meth:`lpa3_request` in ``on_train_batch_start``, outside the autocast
-        Lightning puts around ``training_step``: a request that forwards the model to make its
-        labels (FixMatch's pseudo-labels, PES's and DivideMix's guesses) forwards inside this, so
-        the labels it hands the solver and the loss are those the run's precision gives."""
-        precision = getattr(getattr(self, "_trainer", None), "precision_plugin", None)
-        return precision.forward_context() if precision is not None else contextlib.nullcontext()
-
-    def lpa3_logits(self, output: Any) -> Tensor:
-        """Map ``lpa3_model()``'s output to logits (the adapter for tuple / dict / dataclass outputs).
-
-        The default accepts a tensor and refuses anything else with a message; override,
-        e.g. ``return output["logits"]`` or ``return output[0]`` or ``return output.logits``.
-        """
-        return output_to_logits(output, fix=f"override `lpa3_logits(output)` in {type(self).__name__} to return the "
-                                            "(N, classes) logits, e.g. `return output[0]` or `return output['logits']`")
-
     def lpa3_set_augmented(self, augmented: AugmentedBatch | None, network: str | None = None) -> None:
-        """Called by the callback before ``training_step`` with this batch's hard positives."""
-        self._lpa3_set_slot("_lpa3_augmented", network, augmented)
+        """The callback hands over this batch's hard positives (None: none), once per network before the step."""
+        self._lpa3_set_slot("augmented", network, augmented)
 
-    def lpa3_augmented_pending(self, network: str | None = None) -> bool:
-        """Whether this batch's hard positives were handed over and not taken (yet)."""
-        return self._lpa3_slot("_lpa3_augmented", network) is not None
+    def lpa3_pop_predictions(self, network: str | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """The callback takes the predictions ``training_step`` recorded (after the step)."""
+        predictions = self._lpa3_slot("predictions", network)
+        self._lpa3_set_slot("predictions", network, None)
+        return predictions
+
+    # ------------------------------------------------------------------ what the module's loss calls
+    def lpa3_split_batch(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """``(inputs, targets, indices)`` of a training batch (:func:`split_indexed_batch`); override for another
+        layout."""
+        return split_indexed_batch(batch)
 
     def lpa3_take_augmented(self, network: str | None = None) -> AugmentedBatch | None:
-        """The hard positives of the current batch (None during warm-up or without callback)."""
-        augmented = self._lpa3_slot("_lpa3_augmented", network)
-        self._lpa3_set_slot("_lpa3_augmented", network, None)
+        """This batch's hard positives (None in warm-up epochs or without the callback)."""
+        augmented = self._lpa3_slot("augmented", network)
+        self._lpa3_set_slot("augmented", network, None)
+        if augmented is not None:
+            augmented._taken = True
         return augmented
 
-    def lpa3_forward_augmented(self, augmented: AugmentedBatch) -> Tensor:
-        """Logits of the hard positives for the loss, in the forward the solver verified.
-
-        Uses :func:`~lpa3_lightning.core.augmented_forward.augmented_logits` with the batch's BN
-        mode, the clean selected samples (twins: reference-batch normalisation) or the
-        running-statistics snapshot, and ``lpa3_settings.train_forward``; the logits are
-        handed to the callback, which measures ``lpa3/label_preserved`` in this very forward.
-        With several networks the batch's own (``augmented.network``) is used.
-        """
-        network = augmented.network
-        model = self.lpa3_model() if network is None else self.lpa3_model(network=network)
-        logits = augmented_logits(
-            model, augmented.inputs, bn_mode=augmented.bn_mode,  # type: ignore[arg-type]
-            bn_statistics=augmented.bn_statistics, reference_inputs=augmented.reference_inputs,
-            logits_fn=self.lpa3_logits,
-            train_forward=self.lpa3_settings.train_forward, allow_tf32=augmented.allow_tf32,
-        )
-        self._lpa3_set_slot("_lpa3_augmented_logits", network, logits.detach())
-        return logits
-
-    def lpa3_pop_augmented_logits(self, network: str | None = None) -> Tensor | None:
-        """Called by the callback after ``training_step``: the logits of ``x'`` as trained, if any."""
-        logits = self._lpa3_slot("_lpa3_augmented_logits", network)
-        self._lpa3_set_slot("_lpa3_augmented_logits", network, None)
-        return logits
+    def lpa3_forward_augmented(self, augmented: AugmentedBatch, inputs: Tensor | None = None) -> Tensor:
+        """Logits of the hard positives (or of ``inputs`` made from them) for the loss, in the forward the
+        solver verified (``lpa3_settings.train_forward``; :meth:`AugmentedBatch.forward`)."""
+        return augmented.forward(inputs, self.lpa3_settings.train_forward)
 
     def lpa3_record_predictions(self, indices: Tensor, logits: Tensor, targets: Tensor | None = None,
                                 network: str | None = None) -> None:
-        """Hand the clean logits of this batch to the callback's time-consistency memory (of
-        ``network`` when the module has several)."""
-        self._lpa3_set_slot("_lpa3_predictions", network,
+        """The clean logits of this batch for the TCS memory (of ``network`` when the module has several)."""
+        self._lpa3_set_slot("predictions", network,
                             (indices.detach(), logits.detach(), None if targets is None else targets.detach()))
 
-    def lpa3_pop_predictions(self, network: str | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """Called by the callback after ``training_step``."""
-        predictions = self._lpa3_slot("_lpa3_predictions", network)
-        self._lpa3_set_slot("_lpa3_predictions", network, None)
-        return predictions
+    def lpa3_forward_context(self) -> Any:
+        """The run's precision for a forward outside ``training_step`` (Lightning's precision plugin's forward
+        context, e.g. autocast under ``"bf16-mixed"``; a no-op without a trainer): a request that forwards the
+        model to make its labels (pseudo-labels, guesses) runs inside it, so they are the run's precision's."""
+        precision = getattr(getattr(self, "_trainer", None), "precision_plugin", None)
+        return precision.forward_context() if precision is not None else contextlib.nullcontext()
+
+    def lpa3_batches_per_epoch(self, given: int | None = None) -> int:
+        """``given``, or the attached trainer's training batches per epoch (1 when unknown): the step count that
+        advances a loss's ramp-up within an epoch (``epoch + batch_idx / batches_per_epoch``)."""
+        if given is not None:
+            return max(1, int(given))
+        batches = getattr(getattr(self, "_trainer", None), "num_training_batches", None)
+        return int(batches) if isinstance(batches, (int, float)) and 1 <= batches < float("inf") else 1
+
+    def _lpa3_slot(self, slot: str, network: str | None) -> Any:
+        return self.__dict__.get("_lpa3_slots", {}).get((slot, network))
+
+    def _lpa3_set_slot(self, slot: str, network: str | None, value: Any) -> None:
+        self.__dict__.setdefault("_lpa3_slots", {})[(slot, network)] = value

@@ -1,91 +1,92 @@
 """DivideMix (Li, Socher, Hoi, ICLR 2020) with LP-A3 hard positives for each of its two networks.
 
-DivideMix trains two networks on noisy labels:
-
-1. ``"warmup"`` (``warmup_epochs``): each network with cross-entropy on the noisy
-   labels (plus the negative-entropy penalty for asymmetric noise,
-   ``negative_entropy``); here the first network trains on each batch's first view,
-   the second on its second view.
-2. ``"semi"``: at the start of every epoch each network's per-sample losses on the noisy labels
-   are fitted by a two-component Gaussian mixture, whose low-loss posterior ``w`` is the
-   probability that a label is clean (:mod:`lpa3_lightning.methods.dividemix_split`). Each
-   network trains with the split of the *other* (co-divide): ``w > threshold``
-   labeled, the rest unlabeled. A labeled target is co-refined with the network's own mean
-   prediction over both views, ``sharpen(w y + (1 - w) p)``; an unlabeled target is co-guessed by
-   both networks over both views; all four view sets are mixed up with one permutation; the loss
-   is ``soft CE (labeled) + lambda_u * ramp * MSE (unlabeled) + prior_weight * KL(prior || mean
-   prediction)``, the prior uniform (the authors') unless ``class_prior`` gives the class shares.
-   Evaluation adds both networks' logits.
-
-**LP-A3** (the paper's DivideMix rows; the authors released no code or command for them): each network has
-its own time-consistency memory, selection, twin BatchNorms and ``x'`` cache in one
-:class:`~lpa3_lightning.LPA3Callback` (the module names the networks in
-:meth:`lpa3_networks`); each network's unlabeled samples are attacked on that network with the
-co-guessed label (its argmax) as the label to preserve, and the ``x'`` are used as PES uses them
-(:func:`~lpa3_lightning.methods.mixmatch_lpa3.augmented_mixmatch_loss`): mixed up with the
-labeled views, a probability MSE against the guess with the unlabeled weight. Each memory is fed
-with its network's clean logits: every row in the warm-up, the unlabeled rows' guessing forward
-after.
-
-Departures from the authors' code, each with its reason: both networks train on every batch,
-the two losses summed into one backward (their parameters are disjoint and the guesses carry no
-gradient, so each network's update is its own; the authors train one network for a whole epoch,
-then the other): one pass over the data per epoch instead of two, and one backward per step
-under DDP. Guesses and refinements use the networks as they are at the start of the step. Each
-batch is split by the per-sample labeled mask; the authors iterate over the labeled set and draw
-as many unlabeled samples, and :meth:`noisy_split_mask` lets the data module do likewise
-(``NoisyLabelDataModule(balance_split=True)``, the default: half of each batch from the samples
-labeled for either network, half from the rest, for a pass's number of steps). Each network's own
-guessing and refinement forwards take both views in one forward and leave the BatchNorm running
-statistics alone (the authors forward each view alone, in train mode, moving them four times a step;
-``guess_bn_updates="reference"`` does as they do, ``True`` keeps the pooled forwards and moves them);
-the other network's eval-mode predictions for the guesses are made at the batch's first guess, before
-any train-mode forward of the step. The GMM's initialisation
-is seeded (theirs is not). A split with fewer than two labeled or unlabeled samples is kept
-(the authors' code crashes on an empty unlabeled set): its empty part contributes zero. The
-settings named here are the fields of :class:`~lpa3_lightning.methods.settings.DivideMixSettings`.
+A cross-entropy ``"warmup"``, then ``"semi"``: each network trains with the other's co-divide split
+(:mod:`lpa3_lightning.methods.dividemix_split`) on MixMatch with co-refined labeled and co-guessed
+unlabeled targets plus a prior penalty. LP-A3 (the paper's DivideMix rows; the authors released no
+code for them): one callback keeps a memory, selection, twins and ``x'`` cache per network; each
+network's unlabeled rows are attacked with the co-guessed label and the ``x'`` used as PES uses them.
+Departures from the authors' code, each with its reason: docs/method.md, section 5.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lpa3_lightning.core.augmented import LPA3Request
-from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices
-from lpa3_lightning.core.distributed import batchnorm_buffers_kept, needs_every_rank
-from lpa3_lightning.methods.base import BatchNormStatisticsFrozen
-from lpa3_lightning.methods.dividemix_parts import co_guess, co_refine, negative_entropy, prior_penalty
+from lpa3_lightning.core.checks import check_class_prior
+from lpa3_lightning.core.distributed import needs_every_rank
+from lpa3_lightning.methods.base import LPA3Request
 from lpa3_lightning.methods.dividemix_split import DivideMixPhase, DivideMixSplitMixin
 from lpa3_lightning.methods.guess_tally import GuessTally, warn_on_collapse
-from lpa3_lightning.methods.mixmatch import linear_rampup, mixup, mixup_lambda, probability_mse, soft_cross_entropy
-from lpa3_lightning.methods.mixmatch_lpa3 import augmented_mixmatch_loss
-from lpa3_lightning.methods.pes import split_two_view_batch
+from lpa3_lightning.methods.mixmatch import (
+    augmented_mixmatch_loss,
+    check_noisy_batch,
+    linear_rampup,
+    mixmatch_forward,
+    mixup_lambda,
+    sharpen,
+    split_two_view_batch,
+    two_view_logits,
+)
 
-__all__ = ["DivideMixLPA3Mixin", "DivideMixPhase"]
+__all__ = ["DivideMixLPA3Mixin", "DivideMixPhase", "co_guess", "co_refine", "negative_entropy", "prior_penalty"]
+
+
+def co_refine(labels: Tensor, probs_views: Tensor, w: Tensor, temperature: float = 0.5) -> Tensor:
+    """DivideMix's label co-refinement ``(B, C)``: ``sharpen(w * onehot(y) + (1 - w) * mean_views(p), T)``
+    of the noisy ``labels`` ``(B,)``, the network's predictions ``probs_views`` ``(V, B, C)`` of ``V``
+    views and the clean probabilities ``w`` ``(B,)``."""
+    if probs_views.dim() != 3 or probs_views.shape[1:2] != labels.shape or w.shape != labels.shape:
+        raise ValueError(f"`probs_views` must be (V, B, C) with B = len(labels) = len(w), got "
+                         f"{tuple(probs_views.shape)}, {tuple(labels.shape)}, {tuple(w.shape)}.")
+    one_hot = F.one_hot(labels.long(), probs_views.shape[2]).to(probs_views.dtype)
+    w = w.to(probs_views.dtype)[:, None]
+    return sharpen(w * one_hot + (1 - w) * probs_views.mean(0), temperature)
+
+
+def co_guess(probs_net1: Tensor, probs_net2: Tensor, temperature: float = 0.5) -> Tensor:
+    """DivideMix's co-guessing ``(B, C)``: ``sharpen`` of both networks' predictions ``(V, B, C)``
+    averaged over the views."""
+    if probs_net1.shape != probs_net2.shape or probs_net1.dim() != 3:
+        raise ValueError(f"both networks' predictions must be (V, B, C) of one shape, got {tuple(probs_net1.shape)} "
+                         f"and {tuple(probs_net2.shape)}.")
+    return sharpen(torch.cat([probs_net1, probs_net2]).mean(0), temperature)
+
+
+def prior_penalty(logits: Tensor, prior: Tensor | None = None) -> Tensor:
+    """``KL(prior || mean softmax)`` over the batch: DivideMix's regulariser against collapse. ``prior``:
+    class frequencies ``(C,)`` summing to 1 (None: uniform, DivideMix's); its shape is checked, its values
+    only on the host (reading an accelerator's back would synchronise the step: its owner checks them)."""
+    mean_probs = torch.softmax(logits.float(), dim=1).mean(0)
+    if prior is None:
+        prior = torch.full_like(mean_probs, 1.0 / mean_probs.numel())
+    else:
+        if prior.shape != mean_probs.shape:
+            raise ValueError(f"`prior` must hold {mean_probs.numel()} class frequencies (shape "
+                             f"{tuple(mean_probs.shape)}), got shape {tuple(prior.shape)}.")
+        if prior.device.type == "cpu":
+            check_class_prior(prior, mean_probs.numel(), name="prior")
+        prior = prior.to(mean_probs)
+    return (prior * (prior.log() - mean_probs.clamp_min(1e-12).log())).sum()
+
+
+def negative_entropy(logits: Tensor) -> Tensor:
+    """Mean over the batch of ``sum_c p_c log p_c`` (DivideMix's warm-up penalty for asymmetric noise)."""
+    log_p = F.log_softmax(logits.float(), dim=1)
+    return (log_p.exp() * log_p).sum(1).mean()
 
 
 class DivideMixLPA3Mixin(DivideMixSplitMixin):
-    """DivideMix's co-divide and MixMatch loss for two networks, with LP-A3 hard positives for each.
+    """DivideMix's co-divide and MixMatch loss for two networks, with LP-A3 hard positives for each. Set
+    ``lpa3_settings`` (:class:`~lpa3_lightning.methods.settings.DivideMixSettings`), ``lpa3_num_classes``
+    and ``lpa3_num_samples``, return the networks from :meth:`dividemix_model`, call
+    :meth:`dividemix_begin_epoch` every epoch and :meth:`dividemix_losses` in ``training_step``."""
 
-    Set :attr:`lpa3_num_classes` and :attr:`lpa3_num_samples` (training-set size), return the two
-    networks from :meth:`dividemix_model`, call :meth:`dividemix_begin_epoch` with a loader over
-    the whole training set (every sample, no ``drop_last``) at the start of every epoch and
-    :meth:`dividemix_losses` in ``training_step`` (it makes both co-guesses before either network's
-    training forward; the ready :class:`~lpa3_lightning.DivideMixClassifier` does it all).
-
-    Attributes:
-        lpa3_settings: a :class:`~lpa3_lightning.methods.settings.DivideMixSettings` (the networks'
-            names, the warm-up, the MixMatch weights, the split's options, the prior penalty, the
-            ``x'`` options; its docstring gives each default and its source); set
-            ``self.lpa3_settings = DivideMixSettings(...)``. Declared, with ``lpa3_num_samples``
-            (the training-set size, a fact about the data), by the co-divide base
-            :class:`~lpa3_lightning.methods.dividemix_split.DivideMixSplitMixin`.
-    """
+    #: batch composition rule of :class:`~lpa3_lightning.data.sampling.SplitBalancedSampler`
+    noisy_batch_rule: str = "half"
 
     # ------------------------------------------------------------------ networks
     def lpa3_model(self, network: str | None = None) -> nn.Module:
@@ -106,12 +107,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             raise ValueError(f"DivideMix has the networks {names}, got network={network!r}.")
         return names  # type: ignore[return-value]
 
-    #: batch composition rule of :class:`~lpa3_lightning.data.split_batches.SplitBalancedSampler`
-    noisy_batch_rule: str = "half"
-
     def noisy_split_mask(self) -> Tensor | None:
-        """In the semi-supervised phase, the samples labeled for either network (``(N,)`` bool);
-        else None. A data module draws the phase's batches half from them, half from the rest."""
+        """In the semi phase, the samples labeled for either network (``(N,)`` bool), else None."""
         probs = self._dm_state()["clean_prob"]
         if self.dividemix_phase(self.dividemix_current_epoch()) != "semi" or len(probs) < 2:
             return None
@@ -129,10 +126,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
     # ------------------------------------------------------------------ guesses
     @torch.no_grad()
     def dividemix_guess(self, batch: Any, network: str) -> Tensor:
-        """Co-guessed targets of the rows unlabeled for ``network``: sharpened mean of both
-        networks' predictions of both views (``network`` in train mode, its BatchNorm running
-        statistics as ``guess_bn_updates`` says; the other in eval mode, as the authors).
-        Forwarded once per batch and network, then reused by the request and the loss."""
+        """Co-guessed targets of the rows unlabeled for ``network`` (``network`` in train mode, its
+        BatchNorm as ``guess_bn_updates`` says; the other in eval mode), once per batch and network."""
         x1 = split_two_view_batch(batch)[0]
         cached = self._dm_state()["guess"].get(network)
         if cached is not None and cached[0] is x1:
@@ -151,11 +146,9 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
 
     @torch.no_grad()
     def _dm_partner_predictions(self, batch: Any, network: str) -> tuple[Tensor, Tensor, Tensor]:
-        """The two views ``u1``, ``u2`` of the rows unlabeled for ``network`` and its partner's
-        eval-mode predictions of them ``(2, U, C)``. Made for every network at the first guess of a
-        batch, before any train-mode forward of the step (``guess_bn_updates`` True or ``"reference"`` moves the running
-        statistics the partner's eval forward reads), so each guess takes its partner as it is at
-        the start of the step; each network's are handed out once (to its guess), then dropped."""
+        """The two views ``u1``, ``u2`` of the rows unlabeled for ``network`` and its partner's eval-mode
+        predictions of them ``(2, U, C)``, made for both networks at the batch's first guess, before any
+        train-mode forward of the step moves the running statistics they read; handed out once each."""
         x1, x2, _, idx = split_two_view_batch(batch)
         state = self._dm_state()
         cached = state.get("partner")
@@ -180,40 +173,22 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
             other = self.dividemix_model(self.dividemix_other(network))
             was_training = other.training
             other.eval()
-            try:
-                with self.lpa3_forward_context():
-                    if per_view:  # Train_cifar.py:66-67: one forward per view
-                        logits = [self.lpa3_logits(other(u)).float() for u in (u1, u2)]
-                    else:
-                        logits = list(self.lpa3_logits(other(torch.cat([u1, u2]))).float().split(u1.shape[0]))
+            try:  # Train_cifar.py:66-67: one forward per view with "reference"
+                logits = two_view_logits(self, other, u1, u2, per_view=per_view, frozen=False)
             finally:
                 other.train(was_training)
             predictions[network] = (u1, u2, torch.stack([torch.softmax(v, 1) for v in logits]))
         return predictions
 
     def _dm_own_forward(self, model: nn.Module, v1: Tensor, v2: Tensor) -> tuple[Tensor, Tensor]:
-        """The no-grad train-mode logits of two views of the same rows, for a guess or a
-        refinement, with the BatchNorm handling of ``guess_bn_updates``: one pooled forward with the
-        running statistics frozen (False) or moving (True), or one forward per view, each moving
-        them (``"reference"``). A rank with no rows (SyncBatchNorm's collective) keeps its buffers."""
-        kept = batchnorm_buffers_kept(model) if v1.shape[0] == 0 else contextlib.nullcontext()
+        """:func:`~lpa3_lightning.methods.mixmatch.two_view_logits` as ``guess_bn_updates`` says
+        (``"reference"``: Train_cifar.py:64-65 and 76-77, each view alone)."""
         mode = self.lpa3_settings.guess_bn_updates
-        with torch.no_grad(), kept, self.lpa3_forward_context():
-            if mode == "reference":  # Train_cifar.py:64-65 and 76-77: each view alone
-                return self.lpa3_logits(model(v1)).float(), self.lpa3_logits(model(v2)).float()
-            with contextlib.nullcontext() if mode else BatchNormStatisticsFrozen(model):
-                logits = self.lpa3_logits(model(torch.cat([v1, v2]))).float()
-        return logits[: v1.shape[0]], logits[v1.shape[0]:]
+        return two_view_logits(self, model, v1, v2, per_view=mode == "reference", frozen=not mode)
 
     def _dm_prior(self, device: torch.device) -> Tensor | None:
-        """The prior penalty's class frequencies on ``device`` (None: uniform), built once per
-        setting (prior, number of classes) and device, not every step. Their values were checked
-        by :class:`~lpa3_lightning.methods.settings.DivideMixSettings`; their number is checked here
-        against the module's classes.
-
-        Raises:
-            ValueError: if ``class_prior`` does not hold one frequency per class.
-        """
+        """The prior penalty's class frequencies on ``device`` (None: uniform), built once per prior, class
+        count and device; a ValueError unless ``class_prior`` holds one frequency per class."""
         prior = self.lpa3_settings.class_prior
         if prior is None:
             return None
@@ -230,9 +205,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
 
     # ------------------------------------------------------------------ request
     def lpa3_request(self, batch: Any, network: str | None = None) -> LPA3Request:
-        """Semi phase: the rows unlabeled for ``network`` (first view) with their co-guessed label;
-        in the warm-up, the view that network trains on with its noisy label (the callback's
-        ``warmup_epochs`` should cover the warm-up: no ``x'`` is trained there)."""
+        """Semi phase: the rows unlabeled for ``network`` (first view) with their co-guessed label; in the
+        warm-up (no ``x'`` is trained), the view that network trains on with its noisy label."""
         if network is None:
             raise ValueError("DivideMix's LP-A3 request is per network: the callback passes `network=`.")
         x1, x2, y, idx = split_two_view_batch(batch)
@@ -246,19 +220,14 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
     # ------------------------------------------------------------------ loss
     def dividemix_loss(self, batch: Any, network: str, batch_idx: int = 0,
                        batches_per_epoch: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """DivideMix's loss of ``network`` on this batch in the current phase; ``batches_per_epoch``
-        (None: the trainer's) sets how far the ramp-up moves per step.
-
-        Returns:
-            ``(loss, parts)``; ``parts`` holds ``loss_labeled``, ``loss_unlabeled``, ``loss_prior``,
-            ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share`` and ``num_augmented``.
-        """
+        """``(loss, parts)`` of ``network`` on this batch in the current phase (``parts``: ``loss_labeled``,
+        ``loss_unlabeled``, ``loss_prior``, ``loss_lpa3``, ``unlabeled_weight``, ``labeled_share``,
+        ``num_augmented``); ``batches_per_epoch`` (None: the trainer's) paces the ramp-up within an epoch."""
         self.lpa3_check_settings()
         settings = self.lpa3_settings
         x1, x2, y, idx = split_two_view_batch(batch)
-        num_samples, num_classes = self._dm_sizes()
-        check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
-        check_class_labels(y, num_classes, name="noisy labels")
+        sizes = self._dm_sizes()
+        check_noisy_batch(idx, y, sizes)
         first, _ = self._dm_check_name(network)
         model = self.dividemix_model(network)
         epoch = self.dividemix_current_epoch()
@@ -280,19 +249,14 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
         logits_u1 = self._dm_state()["guess"].pop(network)[2]
         self.lpa3_record_predictions(idx[~labeled], logits_u1, network=network)  # TCS: the unlabeled rows
         n_lab = int(labeled.sum())
-        refined = x1.new_zeros(0, num_classes).float()
+        refined = x1.new_zeros(0, sizes[1]).float()
         if n_lab or needs_every_rank(model):  # (an empty forward where SyncBatchNorm syncs: every rank makes it)
             logits_x1, logits_x2 = self._dm_own_forward(model, x1[labeled], x2[labeled])
             if n_lab:
                 probs = torch.stack([torch.softmax(logits_x1, 1), torch.softmax(logits_x2, 1)])
                 refined = co_refine(y[labeled], probs, w[labeled], settings.temperature)
-        inputs = torch.cat([x1[labeled], x2[labeled], x1[~labeled], x2[~labeled]])
-        targets = torch.cat([refined, refined, guess, guess]).to(inputs.device)
         lam = mixup_lambda(settings.alpha)
-        mixed_x, mixed_t = mixup(inputs, targets, lam, torch.randperm(inputs.shape[0], device=inputs.device))
-        logits = self.lpa3_logits(model(mixed_x))
-        loss_l = soft_cross_entropy(logits[: 2 * n_lab], mixed_t[: 2 * n_lab])
-        loss_u = probability_mse(logits[2 * n_lab:], mixed_t[2 * n_lab:])
+        logits, loss_l, loss_u = mixmatch_forward(self, model, x1, x2, labeled, refined, guess, lam)
         loss_p = (settings.prior_weight * prior_penalty(logits, self._dm_prior(logits.device))
                   if settings.prior_weight else zero)
         progress = epoch + batch_idx / self.lpa3_batches_per_epoch(batches_per_epoch)
@@ -313,14 +277,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
         return loss, parts
 
     def dividemix_guess_report(self) -> dict[str, float]:
-        """Read this epoch's guessed labels of each network (once: one host read per network, an
-        all-reduce under DDP, which every rank must join) and start new tallies. Returns the largest
-        class's share of each network's guessed labels (``dividemix/<network>/guess_top_class_share``)
-        and of both together (``dividemix/guess_top_class_share``), empty when none was guessed, and
-        warns (``rank_zero_warn``) for each network whose guesses are mostly of one class while its
-        labeled set holds several (:func:`~lpa3_lightning.methods.guess_tally.guess_collapse_warning`).
-        Call it at the end of every semi-supervised epoch (the ready
-        :class:`~lpa3_lightning.DivideMixClassifier` does, and logs the shares)."""
+        """As :meth:`~lpa3_lightning.methods.pes.PESLPA3Mixin.pes_guess_report`, per network
+        (``dividemix/<network>/guess_top_class_share``) and for both (``dividemix/guess_top_class_share``)."""
         state = self._dm_state()
         tallies, state["tally"] = state.get("tally", {}), {}
         labeled_counts = state.get("labeled_counts", {})
@@ -342,9 +300,8 @@ class DivideMixLPA3Mixin(DivideMixSplitMixin):
 
     def dividemix_losses(self, batch: Any, batch_idx: int = 0,
                          batches_per_epoch: int | None = None) -> dict[str, tuple[Tensor, dict[str, Tensor]]]:
-        """:meth:`dividemix_loss` of every network, with every co-guess made before the first
-        network's training forward (which moves its BatchNorm statistics): with or without the
-        callback, the guesses come from the networks as they are at the start of the step."""
+        """:meth:`dividemix_loss` of every network, every co-guess made before the first network's training
+        forward moves its BatchNorm statistics (the guesses see the networks as at the start of the step)."""
         self.lpa3_check_settings()  # before the phase is read from them
         if self.dividemix_phase(self.dividemix_current_epoch()) == "semi":
             for name in self.lpa3_networks():

@@ -1,51 +1,141 @@
-"""DivideMix's co-divide (Li, Socher, Hoi, ICLR 2020) and the per-epoch state it keeps.
+"""DivideMix's co-divide (Li, Socher, Hoi, ICLR 2020): the loss-based split and its per-epoch state.
 
-At the start of every semi-supervised epoch each network's per-sample cross-entropy on the noisy
-labels (eval mode, the evaluation view), min-max normalised (averaged over the last
-``loss_history`` epochs; the authors use 5 at 90% noise, 1 otherwise), is fitted by a
-two-component Gaussian mixture, and the posterior ``w`` of its low-loss component is the
-probability that a label is clean
-(:func:`~lpa3_lightning.methods.dividemix_parts.clean_probability`). Each network then trains
-with the split of the *other* (:class:`~lpa3_lightning.methods.dividemix.DivideMixLPA3Mixin`).
-This module holds that refresh, the networks' names and phases it needs, and its state (clean
-probabilities, loss histories, the noisy labels, the stratified split's counts), saved in
-checkpoints so a resumed run continues on the same split. The settings it reads are
-:class:`~lpa3_lightning.methods.settings.DivideMixSettings`'.
+Every semi-supervised epoch each network's per-sample cross-entropy on the noisy labels (eval mode),
+min-max normalised and averaged over the last ``loss_history`` epochs, is fitted by a two-component
+Gaussian mixture whose low-loss posterior ``w`` is the probability that a label is clean; each network
+trains with the split of the *other*. The state is saved in checkpoints: a resumed run continues on
+the same split.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lpa3_lightning.core.checks import check_class_labels, check_dataset_indices, check_split_loader_covered
+from lpa3_lightning.core.checks import check_class_labels
 from lpa3_lightning.methods.base import LPA3ModuleMixin
-from lpa3_lightning.methods.dividemix_parts import (
-    clean_probability,
-    clean_probability_per_class,
-    normalized_losses,
-    stratified_selection,
-)
-from lpa3_lightning.methods.pes import split_two_view_batch
+from lpa3_lightning.methods.mixmatch import noisy_sizes, sum_over_training_set
 from lpa3_lightning.methods.settings import DivideMixSettings
 
-__all__ = ["DivideMixPhase", "DivideMixSplitMixin"]
+__all__ = ["DivideMixPhase", "DivideMixSplitMixin", "clean_probability", "clean_probability_per_class",
+           "normalized_losses", "stratified_selection"]
 
 DivideMixPhase = Literal["warmup", "semi"]
 
 
-class DivideMixSplitMixin(LPA3ModuleMixin):
-    """The co-divide half of :class:`~lpa3_lightning.methods.dividemix.DivideMixLPA3Mixin` (its base):
-    the networks, the phases and, every semi-supervised epoch, each network's clean probabilities.
+def normalized_losses(losses: Tensor) -> Tensor:
+    """Min-max normalised per-sample losses, in ``[0, 1]`` (a constant vector gives zeros)."""
+    if losses.dim() != 1 or losses.numel() == 0:
+        raise ValueError(f"`losses` must be a non-empty 1-D tensor of per-sample losses, got shape {tuple(losses.shape)}.")
+    low, high = losses.min(), losses.max()
+    return (losses - low) / (high - low).clamp_min(torch.finfo(losses.dtype).tiny)
 
-    The state lives in the module's ``__dict__`` (``_dm_state()``: ``clean_prob``, ``history``,
-    ``labels``, ``stratified_count``, and the guesses' cache of the loss), out of ``nn.Module``'s
-    attribute machinery.
+
+def clean_probability(losses: Tensor, seed: int = 0, max_iter: int = 10, tol: float = 1e-2,
+                      reg_covar: float = 5e-4) -> Tensor:
+    """Per-sample probability ``(N,)`` (float32, on the losses' device) that the label is clean: the
+    posterior of the smaller-mean component of a 2-component ``GaussianMixture`` (DivideMix's settings)
+    fitted to ``losses`` ``(N,)`` as given; ``seed`` fixes the k-means initialisation.
+
+    Example:
+        >>> losses = torch.cat([torch.full((50,), 0.1), torch.full((50,), 0.9)]) + torch.linspace(0, 0.01, 100)
+        >>> w = clean_probability(losses)
+        >>> bool(w[:50].min() > 0.9), bool(w[50:].max() < 0.1)
+        (True, True)
     """
+    from sklearn.mixture import GaussianMixture  # a dependency of medmnist; imported where it is used
+
+    if losses.dim() != 1 or losses.numel() < 2:
+        raise ValueError(f"`losses` must be a 1-D tensor of at least 2 per-sample losses, got shape "
+                         f"{tuple(losses.shape)}.")
+    values = losses.detach().double().cpu().numpy().reshape(-1, 1)
+    if not np.isfinite(values).all():
+        raise ValueError("`losses` holds NaN or Inf. Fix: check the model's outputs before the split.")
+    gmm = GaussianMixture(n_components=2, max_iter=max_iter, tol=tol, reg_covar=reg_covar, random_state=seed)
+    gmm.fit(values)
+    clean = int(np.argmin(gmm.means_.reshape(-1)))
+    return torch.as_tensor(gmm.predict_proba(values)[:, clean], dtype=torch.float32, device=losses.device)
+
+
+def clean_probability_per_class(losses: Tensor, labels: Tensor, num_classes: int, seed: int = 0) -> Tensor:
+    """:func:`clean_probability` fitted once per noisy class of ``labels`` ``(N,)`` (ours:
+    ``DivideMixSettings.split_per_class``); classes with fewer than 4 samples, or constant losses, keep
+    the global mixture's posterior."""
+    if labels.shape != losses.shape:
+        raise ValueError(f"`labels` must have the losses' shape {tuple(losses.shape)}, got {tuple(labels.shape)}.")
+    check_class_labels(labels, num_classes, name="labels")
+    labels = labels.to(losses.device).long()
+    prob = clean_probability(losses, seed=seed)
+    for c in range(num_classes):
+        rows = (labels == c).nonzero().flatten()
+        if rows.numel() >= 4 and bool(losses[rows].max() > losses[rows].min()):
+            prob[rows] = clean_probability(losses[rows], seed=seed)
+    return prob
+
+
+def stratified_selection(losses: Tensor, labels: Tensor, num_classes: int,
+                         count: int | list[int] | tuple[int, ...]) -> Tensor:
+    """``count`` rows ``(N,)`` marked clean (1.0, float32), each noisy class's lowest-loss rows (ties to the
+    lower index; ours: ``DivideMixSettings.stratified_split``). An int ``count`` is shared over the classes
+    by size (largest remainder, ties to the lower class); a list (or tuple) gives each class its own.
+
+    Example:
+        >>> losses = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.5, 0.6])
+        >>> labels = torch.tensor([0, 0, 0, 1, 1, 1])
+        >>> stratified_selection(losses, labels, num_classes=2, count=2).tolist()
+        [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        >>> stratified_selection(losses, labels, num_classes=2, count=[2, 0]).tolist()
+        [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    """
+    if losses.dim() != 1 or labels.shape != losses.shape:
+        raise ValueError(f"`losses` and `labels` must be 1-D of one shape, got {tuple(losses.shape)} and "
+                         f"{tuple(labels.shape)}. Fix: one loss and one noisy label per training sample.")
+    per_class = isinstance(count, (list, tuple))
+    if not per_class and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= losses.numel()):
+        raise ValueError(f"`count` must be an int in [0, {losses.numel()}] or a list of one int per class, got "
+                         f"{count!r}. Fix: the number of rows to mark clean, at most the number of samples.")
+    check_class_labels(labels, num_classes, name="labels")
+    labels = labels.to(losses.device).long()
+    sizes = torch.bincount(labels.cpu(), minlength=num_classes)
+    if per_class:
+        shares = _class_counts(count, sizes)
+    else:
+        quota = count * sizes.double() / max(1, labels.numel())
+        shares = quota.floor().long()
+        remainder = count - int(shares.sum())
+        if remainder > 0:  # largest fractional parts first; a stable sort sends ties to the lower class
+            order = torch.sort(quota - shares.double(), descending=True, stable=True).indices
+            shares[order[:remainder]] += 1
+    selected = torch.zeros_like(losses, dtype=torch.float32)
+    for c in range(num_classes):
+        rows = (labels == c).nonzero().flatten()
+        take = int(shares[c])  # a share never exceeds its class (see above)
+        if take:
+            selected[rows[torch.sort(losses[rows], stable=True).indices[:take]]] = 1.0
+    return selected
+
+
+def _class_counts(counts: list[int] | tuple[int, ...], sizes: Tensor) -> Tensor:
+    """``counts`` as a ``(C,)`` tensor, refused unless it holds one int per class within the class's size."""
+    values = list(counts)
+    if len(values) != len(sizes) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"`count` as a list must hold one int per class ({len(sizes)}), got {values!r}. Fix: "
+                         "each noisy class's number of rows to mark clean.")
+    shares = torch.tensor(values, dtype=torch.long)
+    if bool((shares < 0).any()) or bool((shares > sizes).any()):
+        raise ValueError(f"`count` per class must lie in [0, class size] (sizes {sizes.tolist()}), got {values}. "
+                         "Fix: no class can mark more rows than it holds.")
+    return shares
+
+
+class DivideMixSplitMixin(LPA3ModuleMixin):
+    """The co-divide half of :class:`~lpa3_lightning.methods.dividemix.DivideMixLPA3Mixin` (its base): the
+    networks, the phases and each network's clean probabilities. The state (``_dm_state()``) lives in the
+    module's ``__dict__``, out of ``nn.Module``'s attribute machinery."""
 
     lpa3_settings_class = DivideMixSettings
     lpa3_settings: DivideMixSettings = DivideMixSettings()
@@ -68,93 +158,65 @@ class DivideMixSplitMixin(LPA3ModuleMixin):
         return int(trainer.current_epoch) if trainer is not None else int(self._dm_state().get("epoch", 0))
 
     def _dm_sizes(self) -> tuple[int, int]:
-        if self.lpa3_num_samples is None or self.lpa3_num_classes is None:
-            raise ValueError("DivideMix needs `lpa3_num_samples` (training set size) and `lpa3_num_classes` set on "
-                             "the module. Fix: set both in __init__ (the data module's num_train and num_classes).")
-        return int(self.lpa3_num_samples), int(self.lpa3_num_classes)
+        return noisy_sizes(self, "DivideMix")
 
     def _dm_state(self) -> dict[str, Any]:
-        # per-module state, kept out of nn.Module's attribute machinery
         return self.__dict__.setdefault("_dividemix_state", {"clean_prob": {}, "history": {}, "guess": {}})
+
+    def _dm_partner(self, network: str) -> str:
+        """The other of the two networks (co-divide: its split trains ``network``)."""
+        first, second = self.lpa3_networks()
+        return second if network == first else first
 
     # ------------------------------------------------------------------ per epoch: co-divide
     def dividemix_begin_epoch(self, epoch: int, loader: Any) -> None:
-        """In the semi phase, refresh both networks' clean probabilities with ``loader`` (the
-        training set's ``(x, x, noisy_label, index)`` batches, evaluation view), both before
-        either network trains this epoch."""
+        """In the semi phase, refresh both networks' clean probabilities with ``loader`` (the training set's
+        ``(x, x, noisy_label, index)`` batches, evaluation view) before either network trains."""
         self._dm_state()["epoch"] = int(epoch)
         if self.dividemix_phase(epoch) == "semi":
             self.dividemix_refresh_split(loader)
 
     @torch.no_grad()
     def dividemix_per_sample_losses(self, loader: Any) -> dict[str, Tensor]:
-        """Each network's cross-entropy on the noisy label of every training sample (eval mode).
-
-        Under DDP every rank computes its share and the sums are all-reduced, so the losses (and
-        the GMM fitted on them) are the same on every rank.
-        """
-        num_samples, num_classes = self._dm_sizes()
+        """Each network's cross-entropy on the noisy label of every training sample (eval mode), the
+        same on every rank under DDP (so is the GMM fitted on them)."""
+        sizes = self._dm_sizes()
         names = self.lpa3_networks()
         models = [self.dividemix_model(n) for n in names]
-        device = next(models[0].parameters()).device
-        sums = torch.zeros(len(names), num_samples, device=device)
-        counts = torch.zeros(num_samples, device=device)
-        label_sums = torch.zeros(num_samples, device=device)
-        modes = [m.training for m in models]
-        for m in models:
-            m.eval()
-        try:
-            for batch in loader:
-                x, _, y, idx = (t.to(device) for t in split_two_view_batch(batch))
-                check_dataset_indices(idx, num_samples, name="noisy-label batch indices")
-                check_class_labels(y, num_classes, name="noisy labels")
-                for k, m in enumerate(models):
-                    loss = F.cross_entropy(self.lpa3_logits(m(x)).float(), y.long(), reduction="none")
-                    sums[k].index_add_(0, idx, loss)
-                counts.index_add_(0, idx, torch.ones_like(idx, dtype=counts.dtype))
-                label_sums.index_add_(0, idx, y.to(label_sums.dtype))
-        finally:
-            for m, mode in zip(models, modes):
-                m.train(mode)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
-            dist.all_reduce(counts)
-            dist.all_reduce(label_sums)
-        check_split_loader_covered(counts, "dividemix_begin_epoch")
-        # a sample seen twice (a padded distributed sampler) carries its one label twice
-        self._dm_state()["labels"] = (label_sums / counts).round().long().cpu()
-        return {n: sums[k] / counts for k, n in enumerate(names)}
+
+        def losses(x: Tensor, _: Tensor, y: Tensor) -> Tensor:
+            return torch.stack([F.cross_entropy(self.lpa3_logits(m(x)).float(), y.long(), reduction="none")
+                                for m in models], 1)
+
+        sums, visits, labels = sum_over_training_set(models, loader, sizes, len(models), losses,
+                                                     "dividemix_begin_epoch")
+        self._dm_state()["labels"] = labels.cpu()
+        return {n: sums[:, k] / visits for k, n in enumerate(names)}
 
     def dividemix_refresh_split(self, loader: Any) -> dict[str, Tensor]:
         """Per network, the probability ``(N,)`` that each label is clean (the GMM's low-loss posterior)."""
         state = self._dm_state()
         settings = self.lpa3_settings
         losses = self.dividemix_per_sample_losses(loader)
+        num_classes = self._dm_sizes()[1]
         for name, loss in losses.items():
             history = state["history"].setdefault(name, [])
             history.append(normalized_losses(loss).cpu())
             del history[: max(0, len(history) - settings.loss_history)]
             mean_loss = torch.stack(history).mean(0)
             if settings.split_per_class:
-                state["clean_prob"][name] = clean_probability_per_class(mean_loss, state["labels"],
-                                                                        self._dm_sizes()[1], seed=settings.seed)
+                state["clean_prob"][name] = clean_probability_per_class(mean_loss, state["labels"], num_classes,
+                                                                        seed=settings.seed)
             else:
                 state["clean_prob"][name] = clean_probability(mean_loss, seed=settings.seed)
             if settings.stratified_split:
                 self._dm_hold_first_count(name, mean_loss)
-        # the noisy classes of the set each network trains on as labeled (the other's split), for
-        # the collapse check of the guessed labels
-        num_classes = self._dm_sizes()[1]
+        # the noisy classes each network trains on as labeled (the other's split): the guesses' collapse check
         state["labeled_counts"] = {
             name: torch.bincount(state["labels"][(state["clean_prob"][self._dm_partner(name)]
                                                   > settings.threshold).cpu()], minlength=num_classes)
             for name in losses if self._dm_partner(name) in state["clean_prob"]}
         return dict(state["clean_prob"])
-
-    def _dm_partner(self, network: str) -> str:
-        """The other of the two networks (co-divide: its split trains ``network``)."""
-        first, second = self.lpa3_networks()
-        return second if network == first else first
 
     def _dm_hold_first_count(self, name: str, mean_loss: Tensor) -> None:
         """``stratified_split``: keep the first real split's count (one total, or one per class with

@@ -9,37 +9,26 @@ import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lpa3_lightning.core.checks import check_flag
+
 __all__ = ["FixMatchEMA"]
 
 
 class FixMatchEMA(EMAWeightAveraging):
-    """An exponential moving average of the parameters whose buffers (BatchNorm's running
-    statistics) are the live model's, copied at every update, as FixMatch's reference keeps its
-    EMA model (kekmodel/FixMatch-pytorch ``models/ema.py``: parameters averaged from the initial
-    weights on, buffers copied; the LP-A3 authors' copy is the same).
-
-    Lightning's ``EMAWeightAveraging`` averages the buffers too by default (``use_buffers=True``);
-    with ``use_buffers=False`` it leaves them as they were when the average was created. Pass
-    ``copy_buffers=False`` here for Lightning's averaging. Validation, the final weights of a fit and
-    the checkpoint's ``state_dict`` are the average (the raw weights are its ``current_model_state``),
-    and a test of a checkpoint tests the average, in the process that trained it as in a new one
-    (``lpa3 fit --test_after_fit`` and ``lpa3 test`` print the same accuracy).
+    """An exponential moving average of the parameters from the initial weights on, whose buffers
+    (BatchNorm's running statistics) are the live model's, as FixMatch's reference keeps its EMA model
+    (kekmodel/FixMatch-pytorch ``models/ema.py``). Validation, the final weights and the checkpoint's
+    ``state_dict`` are the average (the raw weights: its ``current_model_state``), so is a checkpoint's test.
 
     Args:
         decay: the average's decay per update (FixMatch: 0.999).
-        copy_buffers: copy the buffers at every update (True, FixMatch's reference) or average
-            them (False, Lightning's default).
+        copy_buffers: copy the buffers at every update (True, FixMatch's) or average them (False, Lightning's).
         **kwargs: passed to ``EMAWeightAveraging`` (``update_every_n_steps``, ``device``, ...).
-
-    Example::
-
-        trainer = Trainer(callbacks=[LPA3Callback(ratio=0.9, sigma=0.002), FixMatchEMA(decay=0.999)])
     """
 
     def __init__(self, decay: float = 0.999, copy_buffers: bool = True, **kwargs: Any) -> None:
-        if not isinstance(copy_buffers, bool):
-            raise ValueError(f"`copy_buffers` must be True or False, got {copy_buffers!r}. Fix: use True "
-                             "(FixMatch's reference) or False (Lightning's averaged buffers).")
+        check_flag(copy_buffers, "copy_buffers",
+                   "use True (FixMatch's reference) or False (Lightning's averaged buffers).")
         if "use_buffers" in kwargs:
             raise ValueError("FixMatchEMA sets `use_buffers` from `copy_buffers`. Fix: pass copy_buffers=True (copy) "
                              "or False (average), not use_buffers.")
@@ -55,11 +44,9 @@ class FixMatchEMA(EMAWeightAveraging):
             self._average_model.n_averaged.fill_(1)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Resuming a fit: the average and the live weights come back as Lightning's ``WeightAveraging``
-        restores them. Outside a fit (``trainer.test(ckpt_path=...)``, also after a fit in the same process)
-        the module keeps the checkpoint's ``state_dict``, the average: Lightning's would load the raw weights
-        (``current_model_state``) whenever an average exists, so a test after the fit ran on other weights than
-        the same test in a new process."""
+        """Resuming a fit: as Lightning's ``WeightAveraging``. Outside a fit (``trainer.test(ckpt_path=...)``)
+        the module keeps the checkpoint's ``state_dict``, the average (Lightning's would load the raw weights
+        whenever an average exists, e.g. in a test after the fit in the same process)."""
         if trainer.state.fn == TrainerFn.FITTING:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
 

@@ -1,16 +1,7 @@
-"""The classes of the labels a method makes for its unlabeled rows, over an epoch, and a warning when
-they collapse: FixMatch's confident pseudo-labels, PES's and DivideMix's guessed labels.
-
-Each of these methods trains its unlabeled rows towards labels the network makes itself, and LP-A3
-preserves those labels in every ``x'``. If they fall into one class, the loss teaches the network that
-class for every unlabeled image and the network's next labels agree: a collapse the losses do not show
-(the unlabeled loss is small when the network agrees with itself). Measured once in this package:
-FixMatch's weak view forwarded apart from the batch that trains put 224 of 224 confident pseudo-labels
-in one class, 8.5% of them right. :class:`GuessTally` counts the classes on the device, every step,
-without a host read; the epoch's end reads it once (all-reduced under DDP) and
-:func:`guess_collapse_warning` words the warning when nearly all made labels (more than 90%) are of one
-class while the labeled set holds several, or when most labeled classes get almost none of them two epochs
-in a row (a partial collapse: every made label in 2 or 3 of 10 classes).
+"""The classes of the labels a method makes for its unlabeled rows over an epoch (FixMatch's confident
+pseudo-labels, PES's and DivideMix's guesses; LP-A3 preserves them in every ``x'``), counted on the
+device each step, read once an epoch, and the warning when they collapse onto one class or a few (which
+the losses do not show). The thresholds' measurements: docs/semi-supervised.md.
 """
 
 from __future__ import annotations
@@ -22,29 +13,22 @@ from torch import Tensor
 __all__ = ["COLLAPSE_MARGIN", "COLLAPSE_MIN_GUESSES", "COLLAPSE_SHARE", "GuessTally", "STARVED_FRACTION",
            "STARVED_MIN_CLASSES", "guess_collapse_warning", "partially_collapsed", "starved_classes", "warn_on_collapse"]
 
-#: the largest class's share of the epoch's guessed labels above which they are called collapsed.
-#: Not lower: healthy runs cross a half (FixMatch, package defaults, measured: 54% of MNIST-5k's first
-#: 102 confident pseudo-labels in one class; 82% on PneumoniaMNIST, whose unlabeled set is 74%
-#: pneumonia while the labeled split is balanced); the collapse measured in this package was 100%
+#: the largest class's share of the epoch's made labels above which they are called collapsed (not lower:
+#: healthy runs cross a half)
 COLLAPSE_SHARE = 0.9
-#: ... provided it also exceeds that class's share of the labeled set by this much (a class that
-#: holds 74% of the labeled set may hold 95% of the guesses)
+#: ... provided it also exceeds that class's share of the labeled set by this much
 COLLAPSE_MARGIN = 0.25
-#: fewer guessed labels in an epoch than this say nothing either way
+#: fewer made labels in an epoch than this say nothing either way
 COLLAPSE_MIN_GUESSES = 20
 #: a partial collapse: a labeled class is starved when it gets under this fraction of its labeled share of the
-#: made labels, and at least half of the labeled classes (STARVED_MIN_CLASSES or more of them) are starved in
-#: two epochs in a row (one such epoch is seen in healthy runs: FixMatch's first epoch on MNIST-5k left 4 of 10
-#: classes without a confident pseudo-label)
+#: made labels, and at least half of the labeled classes (STARVED_MIN_CLASSES or more) are starved two epochs
+#: in a row (one such epoch is seen in healthy runs)
 STARVED_FRACTION = 0.2
 STARVED_MIN_CLASSES = 3
 
 
 class GuessTally:
-    """Counts of the guessed labels' classes since the last :meth:`take`, kept on the guesses' device.
-
-    :meth:`add` is device work only (an ``index_add_``), so a step reads nothing on the host for it.
-    """
+    """Counts of the made labels' classes since the last :meth:`take`, on their device (no host read)."""
 
     def __init__(self) -> None:
         self.counts: Tensor | None = None
@@ -54,9 +38,8 @@ class GuessTally:
         self.add_labels(guess.argmax(1), guess.shape[1])
 
     def add_labels(self, labels: Tensor, classes: int, counted: Tensor | None = None) -> Tensor:
-        """Count ``labels`` ``(N,)`` of ``classes`` classes, only where ``counted`` (a bool ``(N,)``, e.g.
-        the confident pseudo-labels; None: all), without a host read (a boolean index would read the
-        count on the host). Returns this call's counts ``(C,)``."""
+        """Count ``labels`` ``(N,)`` of ``classes`` classes where ``counted`` (bool ``(N,)``; None: all; a
+        weight, as a boolean index would read the count on the host). Returns this call's counts ``(C,)``."""
         weights = torch.ones_like(labels, dtype=torch.float32) if counted is None else counted.float()
         step = torch.zeros(classes, device=labels.device).index_add_(0, labels.long(), weights)
         if self.counts is None or self.counts.shape[0] != classes or self.counts.device != labels.device:
@@ -65,9 +48,9 @@ class GuessTally:
         return step
 
     def take(self, classes: int, device: torch.device | str) -> Tensor | None:
-        """The counts ``(C,)`` on the host (summed over the ranks under DDP: a collective every rank
-        must join, each with its tally or, where it counted nothing, zeros of ``classes`` on
-        ``device``), then zero; None when nothing was counted on any rank."""
+        """The counts ``(C,)`` on the host, summed over the ranks under DDP (a collective every rank must
+        join; one that counted nothing joins with zeros of ``classes`` on ``device``), then reset; None
+        when nothing was counted on any rank."""
         counts = self.counts if self.counts is not None else torch.zeros(classes, device=device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts)
@@ -98,19 +81,11 @@ def partially_collapsed(counts: Tensor, labeled_counts: Tensor | None) -> bool:
 
 def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor | None,
                            where: str = "", starved_before: bool = False) -> tuple[float, str | None]:
-    """The largest class's share of the guessed labels ``counts`` ``(C,)``, and the warning to give
-    (None: none) when
-
-    * that share is above :data:`COLLAPSE_SHARE` and above the class's share of the labeled set
-      ``labeled_counts`` ``(C,)`` by :data:`COLLAPSE_MARGIN`, while the labeled set holds at least two
-      classes (a collapse onto one class); or
-    * the made labels are :func:`partially_collapsed` in this epoch and, as ``starved_before`` says, in
-      the one before (most classes left without labels: every made label in 2 or 3 of 10 classes);
-
-    and the epoch made at least :data:`COLLAPSE_MIN_GUESSES` guesses.
-
-    ``method`` (``"PES"``, ``"DivideMix"``) and ``where`` (e.g. ``" (net1)"``) name the source in the message.
-    """
+    """The largest class's share of the made labels ``counts`` ``(C,)`` and the warning to give (None: none):
+    in an epoch of :data:`COLLAPSE_MIN_GUESSES` labels or more, that share above :data:`COLLAPSE_SHARE` and
+    the class's share of the labeled set ``labeled_counts`` by :data:`COLLAPSE_MARGIN` (two labeled classes
+    or more), or :func:`partially_collapsed` now and (``starved_before``) the epoch before. ``method`` and
+    ``where`` (``" (net1)"``) name the source."""
     counts = counts.double()
     total = float(counts.sum())
     top = int(counts.argmax())
@@ -147,10 +122,8 @@ def guess_collapse_warning(method: str, counts: Tensor, labeled_counts: Tensor |
 def warn_on_collapse(method: str, counts: Tensor, labeled_counts: Tensor | None, where: str = "",
                      history: dict | None = None) -> float:
     """:func:`guess_collapse_warning`, its warning given (``rank_zero_warn``); returns the share.
-
-    ``history``: a dict the caller keeps across epochs (one per source: ``where`` is its key), in which
-    this epoch's partial collapse is remembered for the next call; without it the partial rule never
-    fires."""
+    ``history``: a dict the caller keeps across epochs, keyed by source, that remembers this epoch's
+    partial collapse for the next call (without it the partial rule never fires)."""
     key = (method, where)
     starved_before = bool(history.get(key, False)) if history is not None else False
     share, message = guess_collapse_warning(method, counts, labeled_counts, where, starved_before)
@@ -165,22 +138,19 @@ def warn_on_collapse(method: str, counts: Tensor, labeled_counts: Tensor | None,
 
 
 #: per method: what the made labels are, how the loss uses them, the forward to check, the split, the weight
+_MIXMATCH = ("guessed labels of unlabeled rows", "The MixMatch loss trains every unlabeled row towards its guess")
+_GUESSING = ("a guessing forward whose BatchNorm statistics are not those of the batch that trains (the guess comes "
+             "from a forward of the unlabeled views alone; compare `{}`)")
+_RAMP = "an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`)"
 _WORDING = {
     "fixmatch": (
         "confident pseudo-labels", "The unlabeled loss trains the strong view of each such row towards it",
         "the weak view forwarded apart from the batch that trains (BatchNorm then normalises it by other statistics: "
         "forward the labeled, weak and strong views together, as `fixmatch_loss` does)",
         "the labeled split: labels per class", "an unlabeled weight too high for the labels (`lambda_u`)"),
-    "pes": (
-        "guessed labels of unlabeled rows", "The MixMatch loss trains every unlabeled row towards its guess",
-        "a guessing forward whose BatchNorm statistics are not those of the batch that trains (the guess comes from a "
-        "forward of the unlabeled views alone; compare `pes.guess_forward`)",
-        "`train/labeled_share`, the class weights, `pes.class_weight_cap`",
-        "an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`)"),
-    "dividemix": (
-        "guessed labels of unlabeled rows", "The MixMatch loss trains every unlabeled row towards its guess",
-        "a guessing forward whose BatchNorm statistics are not those of the batch that trains (the guess comes from a "
-        "forward of the unlabeled views alone; compare `dividemix.guess_bn_updates`)",
-        "`train/<network>/labeled_share`, `dividemix.threshold`, `split_per_class`, `stratified_split`",
-        "an unlabeled weight that ramps up too fast for the data (`lambda_u`, `rampup_epochs`)"),
+    "pes": (*_MIXMATCH, _GUESSING.format("pes.guess_forward"),
+            "`train/labeled_share`, the class weights, `pes.class_weight_cap`", _RAMP),
+    "dividemix": (*_MIXMATCH, _GUESSING.format("dividemix.guess_bn_updates"),
+                  "`train/<network>/labeled_share`, `dividemix.threshold`, `split_per_class`, `stratified_split`",
+                  _RAMP),
 }

@@ -1,6 +1,5 @@
-"""What the ready noisy-label modules (PES, DivideMix) share with Lightning: the training-set size,
-a loader over every training sample, the check that the semi-supervised batches are balanced,
-and the LP-A3 callback's warm-up and twin anchoring."""
+"""What the ready noisy-label modules (PES, DivideMix) share with Lightning: the training-set size, a
+loader over every training sample, the balanced-batches check and the twins' anchoring under DDP."""
 
 from __future__ import annotations
 
@@ -12,19 +11,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lpa3_lightning.core.dual_bn import anchor_twin_parameters, has_dual_bn
-from lpa3_lightning.core.protocol import lpa3_callbacks as find_lpa3_callbacks
-from lpa3_lightning.data.split_batches import draws_split_balanced
+from lpa3_lightning.data.sampling import draws_split_balanced
+from lpa3_lightning.methods.base import lpa3_callbacks as find_lpa3_callbacks
 
 __all__ = ["adopt_training_set_size", "anchor_twins_without_callback", "release_twins", "warn_unbalanced_batches",
            "whole_training_set_loader"]
 
 
 def adopt_training_set_size(module: pl.LightningModule, datamodule: Any) -> None:
-    """Set ``module.lpa3_num_samples`` from the data module's ``num_train`` (when it has one).
-
-    Raises:
-        ValueError: if the module was built with another ``num_samples``.
-    """
+    """Set ``module.lpa3_num_samples`` from the data module's ``num_train`` (when it has one); a
+    ValueError if the module was built with another ``num_samples``."""
     size = getattr(datamodule, "num_train", None)
     if isinstance(size, int):
         declared = module.hparams.get("num_samples")
@@ -53,12 +49,9 @@ def lpa3_callbacks(trainer: pl.Trainer) -> list:
 
 
 def anchor_twins_without_callback(trainer: pl.Trainer, networks: list[nn.Module]) -> bool:
-    """At fit start, without the callback under DDP: tie every twin BatchNorm into the loss (an
-    unused parameter stalls DDP's gradient reducer; the callback does it itself). Returns whether
-    it anchored (undo with :func:`release_twins`).
-
-    (The callback needs no warm-up: the module's ``lpa3_consumes_augmented``
-    keeps it from solving before the semi-supervised phase, while its memory already learns.)"""
+    """At fit start, without the callback under DDP: tie every twin BatchNorm into the loss (an unused
+    parameter stalls DDP's gradient reducer; the callback does it itself). Returns whether it anchored
+    (undo with :func:`release_twins`)."""
     callbacks = lpa3_callbacks(trainer)
     anchored = not callbacks and trainer.world_size > 1 and all(has_dual_bn(n) for n in networks)
     if anchored:
@@ -74,9 +67,8 @@ def release_twins(networks: list[nn.Module]) -> None:
 
 
 def warn_unbalanced_batches(module: Any, trainer: pl.Trainer, method: str) -> None:
-    """Once a fit, in the semi-supervised phase: warn when the training loader does not draw the
-    method's labeled share (:class:`~lpa3_lightning.data.SplitBalancedSampler`), which the
-    authors' loaders and ``NoisyLabelDataModule(balance_split=True)`` do."""
+    """Once a fit, in the semi phase: warn when the training loader does not draw the method's labeled
+    share (:class:`~lpa3_lightning.data.SplitBalancedSampler`), as the authors' loaders do."""
     if getattr(module, "_warned_unbalanced", False) or draws_split_balanced(trainer.train_dataloader):
         return
     module._warned_unbalanced = True

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_summary.py on a made-up session folder (two calls, the second rerunning a part),
-and benchmarks/profile_host.py for two steps of a small CNN on the CPU."""
+"""benchmarks/gpu_summary.py on a made-up session folder (two calls, the second rerunning a part), and the
+harness's counts of a made-up CUDA trace. (The scripts the session runs: test_step_cost.py.)"""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def _env(call: str) -> dict:
 
 
 def _part(name: str, call: str, exit_code: int, log: str, seconds: int = 10, limit: int = 60) -> dict:
-    return {"kind": "part", "name": name, "call": call, "part": name.split(":")[0], "exit": exit_code,
-            "seconds": seconds, "limit": limit, "log": log}
+    return {"kind": "part", "name": name, "call": call, "exit": exit_code, "seconds": seconds, "limit": limit,
+            "log": log}
 
 
 def _overhead(step: float, peak: float, epochs: dict, **extra) -> dict:
@@ -34,26 +34,29 @@ def _overhead(step: float, peak: float, epochs: dict, **extra) -> dict:
 
 def _session(folder: Path) -> None:
     """Call 1: every part; the overhead part stopped by its limit (no JSON: its log lines only),
-    profile:graphs failed. Call 2 (in the same folder): profile:graphs again, now passing."""
+    profile failed. Call 2 (in the same folder): profile again, now passing."""
     c1, c2 = "20261128T100000Z", "20261128T101000Z"
     base = _overhead(0.016, 700.0, {"1": 0.2, "2": 0.22})
     lpa3 = _overhead(0.25, 1400.0, {"1": 1.3, "2": 1.4}, attack_s=0.03, x_adv_pass_s=0.018, steps_per_epoch=5)
     cached = _overhead(0.18, 1410.0, {str(e): (1.8 if e == 1 else 1.0) for e in range(1, 12)})
-    (folder / "step_overhead.log").write_text(
-        f"### overhead {c1}: python benchmarks/step_overhead.py ...\ntorch 2.11, NVIDIA H200; ...\n"
+    (folder / "step_cost.log").write_text(
+        f"### overhead {c1}: python benchmarks/step_cost.py ratios ...\ntorch 2.11, NVIDIA H200; ...\n"
         f"baseline: {json.dumps(base)}\nlpa3: {json.dumps(lpa3)}\nlpa3_cached: {json.dumps(cached)}\n")
     (folder / "test_gpu.log").write_text(
         f"### tests {c1}: python -m pytest ...\n..F....s\nFAILED tests/test_gpu.py::test_x - AssertionError\n"
         "9 passed, 1 failed, 1 skipped in 41.20s\n")
-    (folder / "profile.log").write_text(f"### profile:eager {c1}: ...\nok\n### profile:graphs {c1}: ...\nTraceback\n"
-                                        f"### host {c1}: ...\nper step\n### profile:graphs {c2}: ...\nok\n")
+    (folder / "profile.log").write_text(f"### profile {c1}: ...\nTraceback\n### host {c1}: ...\nper step\n"
+                                        f"### profile {c2}: ...\nok\n")
     fixmatch = {"complete": True, "setting": "wrn28_2_32px", "floor_step_s": 0.146, "configs": {
         "fixmatch": {"step_s": 0.0466, "step_x_fixmatch": 1.0, "peak_mb": 2903.0},
         "fixmatch_lpa3_all": {"step_s": 0.41, "step_x_fixmatch": 8.79, "step_x_floor": 2.8, "peak_mb": 10632.0}}}
-    profile = {"steps": 2, "ms_per_step": 230.0, "launches_per_step": 3256.0, "syncs_per_step": 68.0,
-               "gpu_busy_ms_per_step": 41.0, "top_self_cuda_ms_per_step": {"a": 1.0}, "top_self_cpu_ms_per_step": {}}
+    by_operator = {f"aten::op{i}": 6.0 - i for i in range(6)}
+    profile = {"steps": 2, "with_stack": False, "wall_ms_per_step": 135.0, "kernel_launches_per_step": 1498.0,
+               "syncs_per_step": 68.0, "gpu_busy_ms_per_step": 41.0, "self_cpu_ms_per_step_by_operator": by_operator,
+               "self_cuda_ms_per_step_by_operator": {"a": 1.0}}
     places = [{"kind": "python", "name": f"f{i}", "ms_per_step": 10.0 - i} for i in range(5)]
-    host = {"steps": 20, "wall_ms_per_step": 300.0, "top_host_places": places, "kernel_launches_per_step": 3172.0,
+    host = {"steps": 20, "with_stack": True, "wall_ms_per_step": 300.0, "top_host_places": places,
+            "kernel_launches_per_step": 3172.0,
             "syncs_per_step": 1.0, "syncs_per_step_by_call": {"cudaStreamSynchronize": 1.0},
             "cuda_malloc_per_step": 0.0,
             "cuda_free_per_step": 0.0, "h2d_per_step": 2.0, "h2d_bytes_per_step": 401408.0, "d2h_per_step": 1.0,
@@ -61,19 +64,16 @@ def _session(folder: Path) -> None:
     (folder / "session.jsonl").write_text(_records(
         _env(c1),
         _part("tests", c1, 1, "test_gpu.log"),
-        _part("overhead", c1, 124, "step_overhead.log", 145, 145),
+        _part("overhead", c1, 124, "step_cost.log", 145, 145),
         _part("fixmatch", c1, 0, "fixmatch_step.log"),
         {"kind": "result", "name": "fixmatch", "call": c1, "result": fixmatch},
-        _part("profile:eager", c1, 0, "profile.log"),
-        {"kind": "result", "name": "profile:eager", "call": c1, "result": profile},
-        _part("profile:graphs", c1, 1, "profile.log"),
+        _part("profile", c1, 1, "profile.log"),
         _part("host", c1, 0, "profile.log"),
         {"kind": "result", "name": "host", "call": c1, "result": host},
     ) + "{cut by a time lim\n" + _records(
         _env(c2),
-        _part("profile:graphs", c2, 0, "profile.log"),
-        {"kind": "result", "name": "profile:graphs", "call": c2,
-         "result": {**profile, "ms_per_step": 135.0, "launches_per_step": 1498.0, "captures_during": 0}},
+        _part("profile", c2, 0, "profile.log"),
+        {"kind": "result", "name": "profile", "call": c2, "result": profile},
     ))
 
 
@@ -91,8 +91,8 @@ def test_the_summary_merges_the_calls_and_reads_every_figure(tmp_path):
     assert [c["call"] for c in machine["calls"]] == ["20261128T100000Z", "20261128T101000Z"]
     parts = summary["parts"]
     assert parts["tests"]["status"] == "failed" and parts["overhead"]["status"] == "timed out"
-    assert parts["profile:graphs"] == {"status": "ok", "exit": 0, "seconds": 10, "limit": 60,
-                                       "call": "20261128T101000Z", "log": "profile.log"}  # the rerun replaced it
+    assert parts["profile"] == {"status": "ok", "exit": 0, "seconds": 10, "limit": 60,
+                                "call": "20261128T101000Z", "log": "profile.log"}  # the rerun replaced it
     figures = summary["figures"]
     assert figures["tests"] == {"passed": 9, "failed": 1, "skipped": 1, "failed_tests": ["tests/test_gpu.py::test_x"]}
     overhead = figures["overhead"]
@@ -102,13 +102,16 @@ def test_the_summary_merges_the_calls_and_reads_every_figure(tmp_path):
     assert overhead["floor_step_s"] == pytest.approx(0.016 + 0.03 + 0.018)
     assert overhead["configs"]["lpa3_cached"]["amortized_epoch_s"] == pytest.approx((1.8 + 9 * 1.0) / 10)
     assert figures["fixmatch"]["configs"]["fixmatch_lpa3_all"]["step_x_fixmatch"] == 8.79
-    assert figures["profile"]["eager"]["launches_per_step"] == 3256
-    assert figures["profile"]["graphs"]["ms_per_step"] == 135  # the second call's
+    profile = figures["profile"]  # the second call's
+    assert (profile["wall_ms_per_step"], profile["kernel_launches_per_step"]) == (135, 1498)
+    assert profile["top5_self_cpu_ms_per_step"] == {f"aten::op{i}": 6 - i for i in range(5)}
+    assert profile["top5_self_cuda_ms_per_step"] == {"a": 1}
     host = figures["host"]
     assert [p["ms_per_step"] for p in host["top_host_places"]] == [10, 9, 8, 7, 6]
     assert (host["kernel_launches_per_step"], host["syncs_per_step"], host["peak_mb"]) == (3172, 1, 1442)
-    assert host["d2h_bytes_per_step"] is None
+    assert host["d2h_bytes_per_step"] is None and host["top5_self_cuda_ms_per_step"] == {}
     assert "overhead lpa3: step 0.250 s" in done.stdout
+    assert "profile: 135 ms/step (profiled), 1498 launches" in done.stdout and "host: 300 ms/step" in done.stdout
 
 
 def test_the_summary_prefers_a_parts_json_and_merges_folders(tmp_path):
@@ -119,9 +122,9 @@ def test_the_summary_prefers_a_parts_json_and_merges_folders(tmp_path):
     c3 = "20261129T090000Z"
     base = _overhead(0.02, 700.0, {"1": 0.2, "2": 0.2})
     lpa3 = _overhead(0.2, 1400.0, {"1": 1.0, "2": 1.0})
-    (second / "step_overhead.log").write_text(f"### overhead {c3}: ...\n")
+    (second / "step_cost.log").write_text(f"### overhead {c3}: ...\n")
     (second / "session.jsonl").write_text(_records(
-        _env(c3), _part("overhead", c3, 0, "step_overhead.log"),
+        _env(c3), _part("overhead", c3, 0, "step_cost.log"),
         {"kind": "result", "name": "overhead", "call": c3,
          "result": {"torch": "2.11", "where": "H200", "ratio": 0.3, "results": {"baseline": base, "lpa3": lpa3}}}))
     done = subprocess.run([sys.executable, str(SUMMARY), str(first), str(second), "--summary",
@@ -133,26 +136,6 @@ def test_the_summary_prefers_a_parts_json_and_merges_folders(tmp_path):
     assert summary["figures"]["overhead"]["source"] == "json"
     assert summary["figures"]["overhead"]["configs"]["lpa3"]["step_x_baseline"] == pytest.approx(10.0)
     assert summary["figures"]["tests"]["passed"] == 9  # kept from the first folder
-
-
-def test_profile_host_runs_on_the_cpu(tmp_path):
-    out = tmp_path / "host.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_host.py"), "--accelerator", "cpu", "--threads", "1",
-         "--arch", "small_cnn", "--batch", "8", "--steps", "2", "--warm-steps", "1", "--rows", "5", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["steps"] == 2 and result["wall_ms_per_step"] > 0
-    assert len(result["self_cpu_ms_per_step_by_operator"]) == 5
-    assert result["self_cpu_ms_per_step_by_python_function"]  # the Python tracer's functions
-    assert len(result["top_host_places"]) == 5
-    ms = [p["ms_per_step"] for p in result["top_host_places"]]
-    assert ms == sorted(ms, reverse=True)
-    # nothing of CUDA on the CPU
-    assert result["kernel_launches_per_step"] == 0 and result["syncs_per_step"] == 0 and result["h2d_per_step"] == 0
-    assert result["peak_mb"] is None
-    assert "per step:" in done.stdout
 
 
 def test_cuda_activity_counts_a_made_up_trace():

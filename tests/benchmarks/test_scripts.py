@@ -4,8 +4,8 @@ One subprocess imports each script in ``benchmarks/`` and calls its ``main()`` w
 (argparse exits before any work), and resolves every ``from lpa3_lightning... import ...``,
 ``from benchmarks... import ...`` and ``from tests... import ...`` in it, also those inside
 functions (a removed name there would surface only when the script runs). Also: no script uses
-a name the 0.2.0 API removed, ``gpu_session.sh`` parses, and ``benchmarks/README.md`` has a row
-for every script there and none for a script that is gone.
+a name the API removed (nor a core module path that only a shim keeps), ``gpu_session.sh`` parses,
+and ``benchmarks/README.md`` has a row for every script there and none for a script that is gone.
 """
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py")
 
-#: what 0.2.0 removed (see CHANGELOG): any of these in a script is a use of a removed API
+#: what 0.2.0 removed, then the sync-free path and CUDA graphs (see CHANGELOG), and the core modules merged
+#: since (their old names are shims to be deleted): any of these in a script is a use of a removed API
 REMOVED = [r"\bgather_predictions\b", r"\bMemoryFeed\b", r"\bupdate_owned\b", r"\btwin_statistics\s*=",
            r"\brestore_rng\b", r"\bResumableDataLoader\b", r"\bresumable\s*=", r"\bcache_settings\b",
-           r"lpa3_lightning\.(attack|tcs|features|dual_bn|callback\.memory_stage)\b"]
+           r"lpa3_lightning\.(attack|tcs|features|dual_bn|callback\.memory_stage)\b",
+           r"\bruntime\s*=", r"\bsync_free\b", r"\bsync-free\b", r"\bcuda_graphs\b", r"\bSolverGraphs\b",
+           r"\bsolver_graphs\b", r"\bcore\.host_reads\b", r"\bcheck_values\s*=",
+           r"\bcore\.(attack|arguments|seeds|model_outputs|batch_statistics|solver_forward|augmented_forward|tcs_scores"
+           r"|selection|shard_exchange|batch_plan)\b"]
 
 _CHECK = r'''
 import ast, contextlib, importlib, importlib.util, io, json, sys

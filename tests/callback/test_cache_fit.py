@@ -8,8 +8,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lpa3_lightning import LPA3Callback
-from tests.callback.test_callback import TinyClassifier
-from tests.callback.test_networks import ReadmeCoTraining
+from tests.callback.test_lpa3_callback import TinyClassifier
+from tests.callback.test_fit_checks import ReadmeCoTraining
 from tests.helpers import indexed_images
 
 

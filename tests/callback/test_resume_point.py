@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lpa3_lightning import LPA3Callback
 from lpa3_lightning.data import train_loader
-from tests.callback.test_callback import TinyClassifier
+from tests.callback.test_lpa3_callback import TinyClassifier
 from tests.helpers import GlobalRandomState, indexed_images
 
 N, BATCH, EPOCHS = 12, 4, 3  # 3 batches an epoch

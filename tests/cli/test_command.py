@@ -87,7 +87,7 @@ def _lpa3(cli: LPA3CLI) -> LPA3Callback:
 
 def _settings(callback: LPA3Callback) -> dict:
     return {"ratio": callback.ratio, "sigma": callback.sigma, "steps": callback.steps, "solver": callback.solver,
-            "selection": callback.selection, "cache": callback.cache, "runtime": callback.runtime,
+            "selection": callback.selection, "cache": callback.cache,
             "logging": callback.logging}
 
 

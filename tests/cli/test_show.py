@@ -13,7 +13,7 @@ from lpa3_lightning import LPA3Callback, LPA3Classifier
 from lpa3_lightning.cli import main
 from lpa3_lightning.core.visualize import comparison_grid, save_comparison_grid, to_unit_range
 from lpa3_lightning.data import MedMNISTDataModule
-from tests.callback.test_callback import TinyClassifier
+from tests.callback.test_lpa3_callback import TinyClassifier
 from tests.helpers import indexed_images
 
 
@@ -53,7 +53,7 @@ def test_saved_png_has_the_grid_size(tmp_path):
 def _logged_grids(tmp_path, monkeypatch, warmup_epochs: int) -> tuple[LPA3Callback, list, list[dict]]:
     """A two-epoch fit logging the grid every epoch: the callback, the TensorBoard images (their tag's
     events) and the arguments each grid was drawn with."""
-    import lpa3_lightning.callback.logging_stage as logging_stage
+    import lpa3_lightning.callback.logging as logging_stage
 
     drawn: list[dict] = []
     draw = logging_stage.comparison_grid
@@ -94,24 +94,30 @@ def test_the_grid_is_not_logged_before_the_first_epoch_that_trains_x_prime(tmp_p
 def test_the_grid_is_solved_under_the_trainings_normalisation(tmp_path, monkeypatch, twin_bn, expected):
     """The picture shows x' as training makes them: a model without twins is attacked on its batch's
     statistics in training ("batch"), and its eval-mode x' would barely move."""
-    from lpa3_lightning.callback.augment_stage import Augmenter
+    import lpa3_lightning.callback.hard_positives as hard_positives
+    import lpa3_lightning.core.solver as solver
 
-    modes: list[tuple[str, bool]] = []
-    solve = Augmenter.solve
+    modes: list[tuple[str, str]] = []  # (bn_mode, who solved: the training step or the grid)
+    train_solve, grid_attack = hard_positives.solve, solver.lpa3_attack
 
-    def recording(self, module, model, x, y, generator, bn_mode, frozen=None, graphs=True):
-        modes.append((bn_mode, graphs))
-        return solve(self, module, model, x, y, generator, bn_mode, frozen, graphs)
+    def training(*args, bn_mode, **kwargs):
+        modes.append((bn_mode, "training"))
+        return train_solve(*args, bn_mode=bn_mode, **kwargs)
 
-    monkeypatch.setattr(Augmenter, "solve", recording)
+    def grid(*args, bn_mode, **kwargs):
+        modes.append((bn_mode, "grid"))
+        return grid_attack(*args, bn_mode=bn_mode, **kwargs)
+
+    monkeypatch.setattr(hard_positives, "solve", training)
+    monkeypatch.setattr(solver, "lpa3_attack", grid)
     pl.seed_everything(0)
     callback = LPA3Callback(steps=1, logging={"images_every_n_epochs": 1, "num_images": 4})
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", callbacks=[callback],
                          logger=pl.loggers.TensorBoardLogger(tmp_path, name=""), enable_progress_bar=False,
                          enable_checkpointing=False)
     trainer.fit(TinyClassifier(twin_bn=twin_bn), DataLoader(indexed_images(16), batch_size=8))
-    grid_modes = {mode for mode, graphs in modes if not graphs}
-    training_modes = {mode for mode, graphs in modes if graphs}
+    grid_modes = {mode for mode, who in modes if who == "grid"}
+    training_modes = {mode for mode, who in modes if who == "training"}
     assert grid_modes == training_modes == {expected}
 
 

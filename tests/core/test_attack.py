@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lpa3_lightning.core.attack import lpa3_attack
+from lpa3_lightning.core.solver import lpa3_attack
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.core.features import PerceptualFeatures
 from lpa3_lightning.core.input_box import resolve_input_range
@@ -169,10 +169,9 @@ def test_works_on_a_1d_signal_model_and_a_tabular_mlp():
     assert float((x_adv - x_tab).abs().max()) > 0
 
 
-@pytest.mark.parametrize("sync_free", [False, True])
 @pytest.mark.parametrize("train_mode", [True, False])
 @pytest.mark.parametrize("twin", [False, True])
-def test_invariants_parameters_grads_bn_stats_and_modes(train_mode, twin, sync_free):
+def test_invariants_parameters_grads_bn_stats_and_modes(train_mode, twin):
     torch.manual_seed(0)
     net = small_cnn()
     if twin:
@@ -184,7 +183,7 @@ def test_invariants_parameters_grads_bn_stats_and_modes(train_mode, twin, sync_f
     modes = {name: m.training for name, m in net.named_modules()}
     before = snapshot(net)
     x, y = _batch()
-    lpa3_attack(net, x, y, bn_mode="twin" if twin else "eval", sync_free=sync_free)
+    lpa3_attack(net, x, y, bn_mode="twin" if twin else "eval")
     after = snapshot(net)
     for key in before:
         assert torch.equal(before[key], after[key]), key
@@ -245,7 +244,7 @@ def test_label_out_of_range_is_refused_and_leaves_the_model_as_found():
 
 @pytest.mark.parametrize("sigma", [0.002, 0.02])
 def test_twin_mode_keeps_the_constraint_per_sample_and_moves_no_statistic(sigma):
-    from lpa3_lightning.core.solver_forward import attack_mode, label_logp
+    from lpa3_lightning.core.forward_modes import attack_mode, label_logp
 
     net = convert_dual_bn(confident_cnn())
     net.train()
@@ -462,7 +461,7 @@ def _precision_state() -> tuple:
 @pytest.mark.parametrize("setting", ["default", "medium", "new_api", "legacy"])
 def test_tf32_switch_restores_every_way_of_setting_precision(setting):
     """The CUDA branch only flips flags, so it runs on a CPU build too (no kernel is launched)."""
-    from lpa3_lightning.core.solver_forward import full_float32
+    from lpa3_lightning.core.forward_modes import full_float32
 
     conv = getattr(torch.backends.cudnn, "conv", None)
     has_new_api = conv is not None and hasattr(conv, "fp32_precision")
@@ -491,83 +490,6 @@ def test_tf32_switch_restores_every_way_of_setting_precision(setting):
         if has_new_api:
             conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = before_test[:2]
         assert _precision_state() == before_test
-
-
-# ---------------------------------------------------------------- sync_free (no host reads)
-@pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("max_step", ["auto", None])
-@pytest.mark.parametrize("twin", [False, True])
-def test_sync_free_gives_the_default_paths_x_adv_without_a_host_read(fast, max_step, twin):
-    from lpa3_lightning.core.host_reads import HostReadCounter
-
-    net = confident_cnn().double()
-    if twin:
-        convert_dual_bn(net)
-    x, y = confident_batch(24)
-    x = x.double()  # float64: the two paths' batched forwards agree to far below any bisection decision
-    kwargs = dict(fast=fast, max_step=max_step, bn_mode="twin" if twin else "eval", return_stats=True)
-    x_ref, ref = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0), **kwargs)
-    with HostReadCounter() as reads:
-        x_adv, stats = lpa3_attack(net, x, y, generator=torch.Generator().manual_seed(0), sync_free=True, **kwargs)
-    assert reads.total == 0, dict(reads.sites)
-    torch.testing.assert_close(x_adv, x_ref, rtol=0, atol=1e-12)
-    assert torch.equal(stats.projected, ref.projected) and torch.equal(stats.preserved, ref.preserved)
-    if max_step is None and not fast:
-        assert int(ref.projected.sum()) > 0  # the bisection had samples to pull back
-
-
-def test_sync_free_bisection_keeps_the_constraint_when_remeasured():
-    net = confident_cnn()
-    x, y = confident_batch(32)
-    x_adv, stats = lpa3_attack(net, x, y, max_step=None, sync_free=True, return_stats=True,
-                               generator=torch.Generator().manual_seed(0))
-    assert int(stats.projected.sum()) > 0
-    assert bool((independent_logp_drop(net, x, x_adv, y) <= 0.02 + 1e-5).all())
-
-
-def test_sync_free_solver_runs_the_same_operators_whatever_the_data():
-    """What a captured graph needs: the sequence of operators does not depend on the values
-    (here: a batch where the bisection has samples to pull back, and one where it has none)."""
-    net = confident_cnn()
-    x, y = confident_batch(16)
-    outcomes, sequences = [], {}
-    for sync_free in (False, True):
-        for max_step in (1e3, 1e-4):  # 1e-4: steps too short to leave the constraint, no projection
-            def solve():
-                _, stats = lpa3_attack(net, x, y, max_step=max_step, sync_free=sync_free, return_stats=True,
-                                       generator=torch.Generator().manual_seed(0))
-                outcomes.append(int(stats.projected.sum()))
-            sequences[(sync_free, max_step)] = dispatched_ops(solve)
-    assert outcomes[0] > 0 and outcomes[1] == 0  # the two runs do take different branches
-    assert sequences[(True, 1e3)] == sequences[(True, 1e-4)]
-    assert sequences[(False, 1e3)] != sequences[(False, 1e-4)]  # the default path's do differ
-
-
-def test_sync_free_returns_a_non_finite_sample_unchanged_and_not_preserved():
-    net = confident_cnn()
-    x, y = confident_batch(8)
-    x_bad = x.clone()
-    x_bad[3, 0, 0, 0] = float("nan")
-    x_adv, stats = lpa3_attack(net, x_bad, y, sync_free=True, return_stats=True,
-                               generator=torch.Generator().manual_seed(0))
-    assert bool(torch.isnan(x_adv[3, 0, 0, 0]))  # the NaN comes back as given
-    assert torch.equal(torch.nan_to_num(x_adv[3]), torch.nan_to_num(x_bad[3]))
-    assert not bool(stats.preserved[3]) and bool(stats.preserved[torch.arange(8) != 3].all())
-    assert bool(torch.isfinite(x_adv[torch.arange(8) != 3]).all())
-
-
-def test_sync_free_is_validated():
-    with pytest.raises(ValueError, match="sync_free"):
-        lpa3_attack(small_cnn(), *_batch(), sync_free="yes")
-
-
-def test_auto_max_step_tensor_equals_the_host_value():
-    from lpa3_lightning.core.input_box import auto_max_step, auto_max_step_tensor
-
-    box = (torch.tensor(-1.0), torch.tensor(2.0))
-    for x in (torch.randn(6, 3, 8, 8), torch.zeros(1, 4), torch.zeros(5, 4), torch.ones(3, 4)):
-        for bounds in (None, box):
-            assert float(auto_max_step_tensor(x, bounds)) == pytest.approx(auto_max_step(x, bounds), rel=1e-6)
 
 
 def test_the_authors_mode_follows_a_transcription_of_the_authors_loop_in_float64():
@@ -633,7 +555,7 @@ def test_the_method_doc_names_the_dtype_the_constraint_is_compared_in():
     import re
     from pathlib import Path
 
-    from lpa3_lightning.core.solver_forward import label_logp
+    from lpa3_lightning.core.forward_modes import label_logp
 
     row = next(line for line in (Path(__file__).resolve().parents[2] / "docs" / "method.md").read_text().splitlines()
                if line.startswith("| constraint |"))

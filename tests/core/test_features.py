@@ -12,7 +12,7 @@ from torch import nn
 
 from lpa3_lightning.core.feature_layers import default_feature_layers, resolve_layers
 from lpa3_lightning.core.features import FEATURE_EPS, PerceptualFeatures, normalize_activation
-from lpa3_lightning.core.model_outputs import output_to_logits
+from lpa3_lightning.core.checks import output_to_logits
 
 # --------------------------------------------------------------------------- helpers
 
@@ -505,7 +505,7 @@ def test_default_features_of_foreign_models_give_a_finite_distance(kind: str) ->
 
 @pytest.mark.parametrize("kind", FOREIGN)
 def test_lpa3_attack_runs_on_foreign_models_with_default_layers(kind: str) -> None:
-    from lpa3_lightning.core.attack import lpa3_attack
+    from lpa3_lightning.core.solver import lpa3_attack
 
     net, x, _ = _foreign(kind)
     y = torch.tensor([0, 1, 2, 0])
@@ -700,7 +700,7 @@ def test_probe_leaves_parameters_buffers_flags_grads_and_rng_unchanged() -> None
 
 
 def test_probe_keeps_the_twin_statistics_capture_for_the_first_real_forward() -> None:
-    from lpa3_lightning.core.batch_statistics import frozen_batch_statistics
+    from lpa3_lightning.core.forward_modes import frozen_batch_statistics
     from lpa3_lightning.core.dual_bn import convert_dual_bn
 
     torch.manual_seed(0)
@@ -742,7 +742,7 @@ def test_explicit_layers_resolve_at_construction_without_a_probe() -> None:
 
 
 def test_eval_mode_restores_each_modules_own_flag_even_on_error():
-    from lpa3_lightning.core.model_outputs import eval_mode
+    from lpa3_lightning.core.checks import eval_mode
 
     net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
     net.train()
@@ -781,7 +781,7 @@ def test_x_prime_stay_finite_when_a_feature_position_is_all_zero() -> None:
     (squeeze-and-excitation) whose output is a feature layer. The norm's square root has an
     infinite derivative at those positions; the gate's backward multiplies it by 0 (NaN) and
     spreads it to every pixel through the mean, so the solver returned NaN x'."""
-    from lpa3_lightning.core.attack import lpa3_attack
+    from lpa3_lightning.core.solver import lpa3_attack
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 1), nn.ReLU(), _Excite(), nn.Flatten(), nn.Linear(4 * 16, 3))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lpa3_lightning.core.tcs import TimeConsistency, tcs_divergence, tcs_update
+from lpa3_lightning.core.tcs import TimeConsistency, check_ratio, selection_threshold, tcs_divergence, tcs_update
 
 # --------------------------------------------------------------------------- references
 
@@ -378,26 +378,15 @@ def test_an_update_applies_the_first_finite_row_of_each_index_once_an_epoch() ->
     assert torch.equal(a.memory, b.memory) and torch.equal(a.scores, b.scores)
 
 
-def test_out_of_range_recorded_indices_are_counted_when_not_checked() -> None:
-    tcs = TimeConsistency(4, 2, 0.5)
-    tcs.update(torch.tensor([0, 9, 1]), torch.full((3, 2), 0.5), check_values=False)
-    assert int(tcs.refused_rows) == 1 and tcs.seen.tolist() == [True, True, False, False]
-
-
-def test_select_and_has_threshold_read_no_tensor_value_on_the_host() -> None:
-    from lpa3_lightning.core.host_reads import HostReadCounter
-
+def test_select_compares_with_the_threshold_and_has_threshold_follows_it() -> None:
     tcs = TimeConsistency(12, 3, 0.5)
     tcs.update(torch.arange(12), torch.softmax(torch.randn(12, 3), 1))
     tcs.update(torch.arange(12), torch.softmax(torch.randn(12, 3), 1))
-    before = tcs.select(torch.arange(12), epoch=0, check_values=False)
+    before = tcs.select(torch.arange(12), epoch=0)
     assert int(before.sum()) == 6  # the random share
     tcs.refresh_threshold()
-    with HostReadCounter() as reads:
-        has = tcs.has_threshold
-        chosen = tcs.select(torch.arange(12), epoch=1, check_values=False)
-    assert reads.total == 0 and has
-    assert torch.equal(chosen, tcs.scores < tcs.threshold)
+    assert tcs.has_threshold
+    assert torch.equal(tcs.select(torch.arange(12), epoch=1), tcs.scores < tcs.threshold)
     tcs.threshold = torch.tensor(float("nan"))  # assigning the threshold updates the host flag
     assert not tcs.has_threshold
 
@@ -425,7 +414,7 @@ def test_a_sample_without_a_score_yet_is_selected_as_before_the_first_threshold(
 
 def test_random_criterion_ignores_the_scores_and_draws_a_fresh_share_each_epoch() -> None:
     """The paper's selection ablation: the same count as TCS, drawn at random every epoch."""
-    from lpa3_lightning.core.selection import random_selection
+    from lpa3_lightning.core.tcs import random_selection
 
     n, everyone = 40, torch.arange(40)
     random_tcs = TimeConsistency(n, 3, 0.25, seed=5, criterion="random")
@@ -437,10 +426,123 @@ def test_random_criterion_ignores_the_scores_and_draws_a_fresh_share_each_epoch(
         memory.refresh_threshold()
     assert random_tcs.has_threshold and torch.equal(random_tcs.scores, scored.scores)  # the memory still learns
     for epoch in (1, 2):
-        expected = random_selection(everyone, n, 0.25, seed=5, epoch=epoch)
+        expected = random_selection(n, 0.25, seed=5, epoch=epoch)
         assert torch.equal(random_tcs.select(everyone, epoch), expected)
         assert int(expected.sum()) == int(scored.select(everyone, epoch).sum()) == 10
     assert not torch.equal(random_tcs.select(everyone, 1), random_tcs.select(everyone, 2))
     assert not torch.equal(random_tcs.select(everyone, 1), scored.select(everyone, 1))
     with pytest.raises(ValueError, match="criterion"):
         TimeConsistency(n, 3, 0.25, criterion="lowest")
+
+
+# ---------------------------------------------------------------- the selection rules
+def _ref_threshold(scores: list[float], ratio: float) -> float:
+    """Sorted-descending value at rank floor((1 - ratio) * N), as in the authors' code."""
+    ordered = sorted(scores, reverse=True)
+    return ordered[int(math.floor((1 - ratio) * len(ordered)))]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10, 64, 101])
+@pytest.mark.parametrize("ratio", [0.01, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99])
+def test_threshold_matches_reference(n: int, ratio: float) -> None:
+    g = torch.Generator().manual_seed(1000 * n + int(ratio * 100))
+    scores = torch.randn(n, generator=g, dtype=torch.float64)
+    thr = selection_threshold(scores, ratio, rule="authors")
+    assert thr.dim() == 0 and thr.dtype == torch.float64
+    ref = _ref_threshold(scores.tolist(), ratio)
+    assert float(thr) == ref
+    mask = scores < thr
+    assert mask.tolist() == [s < ref for s in scores.tolist()]
+
+
+def test_threshold_with_ties_and_float32() -> None:
+    scores = torch.tensor([-1.0, -1.0, -1.0, 0.0, -2.0, -2.0], dtype=torch.float32)
+    for ratio in (0.2, 0.5, 0.8):
+        thr = selection_threshold(scores, ratio, rule="authors")
+        assert thr.dtype == torch.float32
+        assert float(thr) == _ref_threshold(scores.tolist(), ratio)
+    # rank floor(0.5*6)=3 of [0,-1,-1,-1,-2,-2] is -1: only the -2s are strictly below
+    assert (scores < selection_threshold(scores, 0.5, rule="authors")).tolist() == [
+        False, False, False, False, True, True,
+    ]
+
+
+def test_threshold_docstring_example() -> None:
+    assert float(selection_threshold(torch.tensor([0.0, -1.0, -2.0, -3.0]), 0.5)) == -1.0
+    assert float(selection_threshold(torch.tensor([0.0, -1.0, -2.0, -3.0]), 0.5, rule="authors")) == -2.0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10, 64, 101])
+@pytest.mark.parametrize("ratio", [0.01, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0])
+def test_count_rule_selects_round_ratio_times_n_lowest(n: int, ratio: float) -> None:
+    g = torch.Generator().manual_seed(1000 * n + int(ratio * 100))
+    scores = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = (scores < selection_threshold(scores, ratio))
+    k = max(1, min(n, int(math.floor(ratio * n + 0.5))))  # computed here, not by selected_count
+    assert int(mask.sum()) == k
+    lowest = set(torch.argsort(scores)[:k].tolist())
+    assert set(mask.nonzero().flatten().tolist()) == lowest
+
+
+def test_authors_rule_selects_one_fewer_than_ceil() -> None:
+    scores = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for ratio in (0.25, 0.5, 0.9):
+        mask = (scores < selection_threshold(scores, ratio, rule="authors"))
+        assert int(mask.sum()) == math.ceil(ratio * 64) - 1
+
+
+def test_random_initial_share_is_seeded_exact_and_rank_independent() -> None:
+    from lpa3_lightning.core.tcs import random_selection
+
+    a = random_selection(100, 0.3, seed=1, epoch=0)
+    assert int(a.sum()) == 30
+    assert torch.equal(a, random_selection(100, 0.3, seed=1, epoch=0))  # every rank draws the same share
+    assert not torch.equal(a, random_selection(100, 0.3, seed=1, epoch=1))  # a new draw per epoch
+    for seed in (2**62 - 1, 2**63 + 5):  # seeds fixed from torch.initial_seed() use up to 64 bits
+        assert int(random_selection(100, 0.3, seed=seed, epoch=7).sum()) == 30
+
+
+@pytest.mark.parametrize("ratio", [1, 1.0])
+def test_ratio_one_selects_everything(ratio: float) -> None:
+    scores = torch.tensor([3.0, -1.0, 0.5, 1e30, -1e30])
+    thr = selection_threshold(scores, ratio)
+    assert math.isinf(float(thr)) and float(thr) > 0
+    assert (scores < thr).all()
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, -1, 1.0001, 2, float("nan"), True, False, "0.5", None])
+def test_check_ratio_rejects(bad) -> None:
+    with pytest.raises(ValueError, match=r"`ratio`.*must be in \(0, 1\]"):
+        check_ratio(bad)
+    with pytest.raises(ValueError, match="`ratio`"):
+        selection_threshold(torch.tensor([0.0, 1.0]), bad)
+
+
+@pytest.mark.parametrize(("ratio", "expected"), [(0.3, 0.3), (1, 1.0), (1e-6, 1e-6)])
+def test_check_ratio_accepts_and_returns_float(ratio, expected: float) -> None:
+    out = check_ratio(ratio)
+    assert type(out) is float and out == expected
+
+
+@pytest.mark.parametrize("shape", [(), (2, 3), (4, 1), (0,)])
+def test_non_1d_or_empty_scores_rejected(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="non-empty 1-D tensor"):
+        selection_threshold(torch.zeros(shape), 0.5)
+
+
+@pytest.mark.parametrize("sampler", ["EpochSampler", "RandomStream"])
+def test_the_random_share_does_not_follow_the_data_order_of_the_same_seed(sampler):
+    """The data modules' shuffles and the random share are both seeded from (seed, epoch); with one seed
+    for both (seed_everything's, the default of each) the share was the first round(ratio N) rows the
+    epoch's loader yields: every row of the epoch's first batches selected, none of its last."""
+    from lpa3_lightning.core.tcs import random_selection
+    from lpa3_lightning.data.sampling import EpochSampler, RandomStream
+
+    n, seed = 546, 0
+    for epoch in (0, 1, 2):
+        order_source = EpochSampler(range(n), seed=seed) if sampler == "EpochSampler" else RandomStream(n, n, seed=seed)
+        order_source.set_epoch(epoch)
+        order = torch.tensor(list(iter(order_source)))
+        share = random_selection(n, 0.5, seed=seed, epoch=epoch)
+        first_batches = share[order[:128]].float().mean()  # the epoch's first four batches of 32
+        assert 0.35 < float(first_batches) < 0.65, (epoch, float(first_batches))

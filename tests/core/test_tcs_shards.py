@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
-from lpa3_lightning.core import shard_exchange
-from lpa3_lightning.core.shard_exchange import owned_rows, route_to_owners
+from lpa3_lightning.core import tcs_shards
+from lpa3_lightning.core.tcs_shards import owned_rows, route_to_owners
 from lpa3_lightning.core.tcs import TimeConsistency
 from lpa3_lightning.core.tcs_shards import ShardedTimeConsistency
 
@@ -73,7 +73,7 @@ def _train(memories: dict, world: int, rank: int, epochs: range) -> list[dict[st
 def _worker(rank: int, world: int, port: int, out: str, load_from: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    shard_exchange.ASSEMBLE_CHUNK_BYTES = 5 * world * C * 4  # checkpoints assembled 5 rows a shard at a time
+    tcs_shards.ASSEMBLE_CHUNK_BYTES = 5 * world * C * 4  # checkpoints assembled 5 rows a shard at a time
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result: dict = {"fresh": _run(world, rank, None)}

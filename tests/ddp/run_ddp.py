@@ -37,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lpa3_lightning.callback.runner as runner_module  # noqa: E402
 from lpa3_lightning import LPA3Callback, convert_dual_bn  # noqa: E402
-from lpa3_lightning.callback.request_checks import check_request  # noqa: E402
-from lpa3_lightning.callback.selection_stage import Selection, select  # noqa: E402
+from lpa3_lightning.callback.runner import check_request  # noqa: E402
 from lpa3_lightning.mixins import LPA3ModuleMixin  # noqa: E402
-from tests.callback.test_callback import TinyClassifier  # noqa: E402
+from tests.callback.test_lpa3_callback import TinyClassifier  # noqa: E402
 from tests.helpers import indexed_images, small_cnn  # noqa: E402
 
 N, PER_RANK_BATCH, EPOCHS = 48, 8, 3
@@ -158,10 +157,10 @@ class Recording(LPA3Callback):
         finally:
             _IN_HOOK[0] = None
 
-    def _check_request(self, request, num_classes, num_samples, values=True):
+    def _check_request(self, request, num_classes, num_samples):
         if self.bad_rank is not None and self._rank == self.bad_rank and len(self.record) == 1:
             raise ValueError("Labels out of range (simulated on one rank)")
-        check_request(request, num_classes, num_samples, values)
+        check_request(request, num_classes, num_samples)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # applied rows, counted from the outside: the samples whose score this step's update changed
@@ -180,17 +179,15 @@ class Recording(LPA3Callback):
             raise RuntimeError("on_augmented failed on one rank (simulated)")
         self.x_prime.append((trainer.current_epoch, augmented.indices.cpu().clone(), augmented.inputs.cpu().clone()))
 
-    def _select(self, memory, request, epoch, sync_free, bad_recorded):
-        selection = select(memory, request, epoch, sync_free, bad_recorded)
+    def select(self, memory, request, finite, epoch):
+        by_memory, mask = super().select(memory, request, finite, epoch)
         if self.empty_rank is not None and self._rank == self.empty_rank:
-            selection = Selection(torch.zeros_like(selection.mask), 0, selection.tcs_selected, 0, selection.nonfinite,
-                                  selection.finite)
-        self.record.append((request.indices.cpu().clone(), selection.mask.cpu().clone()))
-        return selection
+            mask = torch.zeros_like(mask)  # (the selection rule a subclass may override, per rank)
+        self.record.append((request.indices.cpu().clone(), mask.cpu().clone()))
+        return by_memory, mask
 
     def _patch_stages(self, own: bool) -> None:
-        # the runner looks its stages up by name: this callback's versions record and simulate
-        runner_module.select = self._select if own else select
+        # the runner looks its request check up by name: this callback's version simulates a bad rank
         runner_module.check_request = self._check_request if own else check_request
 
     def on_fit_end(self, trainer, pl_module):
@@ -320,10 +317,9 @@ def _syncbn_run(out: Path, mode: str) -> None:
 
 
 def main(out: Path, mode: str) -> None:
-    # "<mode>+sync_free": the callback's sync-free per-batch path; "<mode>+sharded": the TCS memory
-    # is split over the ranks (the layout 'auto' picks for memories of hundreds of MB)
+    # "<mode>+sharded": the TCS memory is split over the ranks (the layout 'auto' picks for memories of
+    # hundreds of MB)
     mode, _, path = mode.partition("+")
-    sync_free = path == "sync_free"
     layout = {"memory_layout": "sharded" if path == "sharded" else "auto"}
     if mode.startswith("syncbn_"):
         _syncbn_run(out, mode)
@@ -383,7 +379,7 @@ def main(out: Path, mode: str) -> None:
                    out / f"rank{trainer.global_rank}.pt")
         return
     if mode.startswith("noise_"):  # noise_full: 2 epochs; noise_first: epoch 0 + checkpoint; noise_resume: epoch 1
-        callback = Recording(ratio=0.5, steps=2, seed=0, runtime={"sync_free": sync_free})
+        callback = Recording(ratio=0.5, steps=2, seed=0)
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1 if mode == "noise_first" else 2,
                              callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=out, deterministic=True)
@@ -427,8 +423,7 @@ def main(out: Path, mode: str) -> None:
                          bad_rank=1 if mode == "bad_rank1" else None,
                          hook_fault_rank=1 if mode == "on_augmented_rank1" else None,
                          warmup_epochs=1 if user else 0,
-                         cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1},
-                         runtime={"sync_free": sync_free}, selection=layout)
+                         cache={"regenerate_every_n_epochs": 2 if mode in ("supervised", "empty_rank1") else 1}, selection=layout)
     callbacks: list = [callback]
     if mode == "seed_differs":  # each rank's torch seed its own; the callback's seed=None must still be one
         callbacks.insert(0, SeedPerRank())

@@ -70,7 +70,7 @@ class Draws:
 
     ``module_path`` is the module whose ``mixup_lambda`` name the step calls
     (``"lpa3_lightning.methods.pes"``); the permutations are recorded from ``torch.randperm`` itself
-    (the step and :func:`~lpa3_lightning.methods.mixmatch_lpa3.augmented_mixmatch_loss` call it there).
+    (the step and :func:`~lpa3_lightning.methods.mixmatch.augmented_mixmatch_loss` call it there).
     """
 
     def __init__(self, monkeypatch, module_path: str) -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lpa3_lightning.methods.dividemix_parts import (
+from lpa3_lightning.methods.dividemix_split import (
     clean_probability,
     clean_probability_per_class,
     normalized_losses,
@@ -306,7 +306,7 @@ def test_the_class_prior_tensor_is_built_once_per_setting_and_a_bad_setting_is_r
 def test_prior_penalty_checks_the_shape_of_a_prior_off_the_host_without_reading_its_values(monkeypatch):
     """A prior on another device (here "meta", which has no values to read) gets its shape checked;
     its values are not read on the host (the check that would read them is not called)."""
-    from lpa3_lightning.methods import dividemix_parts as dividemix
+    from lpa3_lightning.methods import dividemix
 
     read = []
     monkeypatch.setattr(dividemix, "check_class_prior", lambda *a, **k: read.append(a))

@@ -8,15 +8,12 @@ import math
 import pytest
 import torch
 
-from lpa3_lightning.methods import dividemix_parts as dividemix
-from lpa3_lightning.methods.dividemix_parts import (
+from lpa3_lightning.methods import dividemix_split as dividemix
+from lpa3_lightning.methods.dividemix import co_guess, co_refine, negative_entropy, prior_penalty
+from lpa3_lightning.methods.dividemix_split import (
     clean_probability,
     clean_probability_per_class,
-    co_guess,
-    co_refine,
-    negative_entropy,
     normalized_losses,
-    prior_penalty,
     stratified_selection,
 )
 from lpa3_lightning.methods.mixmatch import sharpen

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from lpa3_lightning.methods.settings import settings_from
 from lpa3_lightning.mixins import DivideMixLPA3Mixin, DivideMixSettings
+from tests.helpers import handed_over
 from tests.methods.reference_helpers import (
     NUM_CLASSES,
     Draws,
@@ -369,7 +370,7 @@ def test_the_lpa3_term_is_pes_lpa3s_term_on_each_network_as_documented(monkeypat
     Train_cifar.py's step. Checked with ``train_forward="batch_stats"`` (the ``adv`` BatchNorms in train
     mode, as PES_LPA3.py:241) and ``guess_bn_updates="reference"``: the same loss, ``loss_lpa3``,
     gradients and buffers (main and twin) for the network with ``x'``; the other network unchanged."""
-    from lpa3_lightning.core.augmented import AugmentedBatch
+    from lpa3_lightning.methods.base import AugmentedBatch
     from lpa3_lightning.core.dual_bn import convert_dual_bn
     from tests.methods.test_pes_reference import AuthorsTwinNet, _authors_name
 
@@ -384,10 +385,9 @@ def test_the_lpa3_term_is_pes_lpa3s_term_on_each_network_as_documented(monkeypat
     g = torch.Generator().manual_seed(11)
     mask = torch.arange(len(request.indices)) % 3 != 0  # the callback picked two rows in three
     x_adv = request.inputs[mask] + 0.2 * torch.randn(request.inputs[mask].shape, generator=g)
-    module.lpa3_set_augmented(AugmentedBatch(inputs=x_adv, targets=request.targets[mask],
-                                             indices=request.indices[mask], mask=mask, bn_mode="twin",
-                                             reference_inputs=request.inputs[mask].clone(), network="net1"),
-                              network="net1")
+    module.lpa3_set_augmented(handed_over(module, x_adv, request.targets[mask], request.indices[mask], mask,
+                                          bn_mode="twin", reference_inputs=request.inputs[mask].clone(),
+                                          network="net1"), network="net1")
     draws = Draws(monkeypatch, "lpa3_lightning.methods.dividemix")
     losses = module.dividemix_losses(batch, batch_idx=5, batches_per_epoch=8)
     (losses["net1"][0] + losses["net2"][0]).backward()

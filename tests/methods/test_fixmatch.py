@@ -14,11 +14,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lpa3_lightning import LPA3Callback
-from lpa3_lightning.core.augmented import AugmentedBatch
+from lpa3_lightning.methods.base import AugmentedBatch
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.methods.fixmatch import split_semi_supervised_batch
 from lpa3_lightning.mixins import FixMatchLPA3Mixin, FixMatchSettings
-from tests.helpers import indexed_images
+from tests.helpers import handed_over, indexed_images
 
 NUM_CLASSES = 3
 
@@ -105,11 +105,10 @@ def test_loss_terms_on_a_tiny_batch(epoch, warmup):
     _given_pseudo_labels(module, probs)
     x_adv = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     mask = torch.tensor([True, True, False, True])
-    augmented = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1, 2]), indices=torch.tensor([5, 6, 8]),
-                               mask=mask, bn_mode="eval", bn_statistics=None)
-    from lpa3_lightning.core.augmented_forward import running_statistics
+    from lpa3_lightning.core.forward_modes import running_statistics
 
-    augmented.bn_statistics = running_statistics(module.net)
+    augmented = handed_over(module, x_adv, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 8]), mask,
+                            statistics=running_statistics(module.net))
     module.lpa3_set_augmented(augmented)
 
     class FakeTrainer:
@@ -131,8 +130,8 @@ def test_loss_terms_on_a_tiny_batch(epoch, warmup):
     torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
     assert float(parts["mask_rate"]) == 0.5
     assert float(parts["num_augmented"]) == (3.0 if epoch >= warmup else 0.0)
-    if epoch < warmup:
-        assert module.lpa3_augmented_pending()  # the x' of a warm-up step are left untaken
+    if epoch < warmup:  # the x' of a warm-up step are left untaken
+        assert module._lpa3_slot("augmented", None) is augmented
 
 
 def test_the_second_threshold_drops_low_confidence_x_prime():
@@ -140,12 +139,11 @@ def test_the_second_threshold_drops_low_confidence_x_prime():
     module.eval()
     batch = _tiny_batch()
     probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
-    from lpa3_lightning.core.augmented_forward import running_statistics
+    from lpa3_lightning.core.forward_modes import running_statistics
 
     x_adv = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(1))
-    augmented = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1]), indices=torch.tensor([5, 6]),
-                               mask=torch.tensor([True, True, False, False]), bn_mode="eval",
-                               bn_statistics=running_statistics(module.net))
+    augmented = handed_over(module, x_adv, torch.tensor([0, 1]), torch.tensor([5, 6]),
+                            torch.tensor([True, True, False, False]), statistics=running_statistics(module.net))
     _given_pseudo_labels(module, probs)
     module.lpa3_set_augmented(augmented)
     _, parts = module.fixmatch_loss(batch)
@@ -187,9 +185,9 @@ def test_a_labeled_batch_without_its_index_is_named_as_the_labeled_part():
 
 
 # ------------------------------------------------------------------ a fit with the callback
-def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batch_once_more(tmp_path):
-    """With the callback, one extra forward of FixMatch's joint batch a step (the request's pseudo-labels,
-    without gradient) once the LP-A3 term counts; in its warm-up and without the callback, the reference's one."""
+def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batch_once_a_step(tmp_path):
+    """With the callback as without it, one forward of FixMatch's joint batch a step, the reference's: the
+    request's pseudo-labels come from the forward the loss trains (made at the request, kept for the step)."""
     joint_forwards: dict[str, int] = {}
     steps: list[int] = []
 
@@ -219,13 +217,29 @@ def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batc
                            max_epochs=2)
         trainer.fit(module, _loaders())
     assert len(steps) == 16
-    # epoch 0 (the term's warm-up): no request forward; epoch 1: one a step. The solver's forwards take the
-    # selected weak rows only
-    assert joint_forwards == {"plain": 8, "lpa3": 4 + 8}
+    # the solver's forwards take the selected weak rows only
+    assert joint_forwards == {"plain": 8, "lpa3": 8}
     tcs = callback.runner().tcs
     assert tcs is not None and tcs.num_samples == 64 and bool(tcs.seen.all())  # TCS over the unlabeled set
     assert sum(p["num_augmented"] for p in module.parts) > 0
     assert "lpa3/label_preserved_epoch" in trainer.callback_metrics
+
+
+def test_the_shared_forward_serves_only_its_own_step_and_only_a_forward_with_gradient():
+    """The request's kept forward is taken by the loss of the same step and batch; a forward without gradient
+    (a diagnostic) neither takes nor drops it; a kept forward of another step is not reused."""
+    module = UserFixMatch(num_unlabeled=16)
+    weak = torch.randn(4, 1, 4, 4)
+    batch = {"labeled": (torch.randn(2, 1, 4, 4), torch.tensor([0, 1]), torch.arange(2)),
+             "unlabeled": (weak, weak + 0.1, torch.arange(4))}
+    kept = tuple(torch.full((n, 3), 7.0) for n in (2, 4, 4))
+    module._fixmatch_shared = (weak, 0, kept)
+    with torch.no_grad():
+        fresh = module.fixmatch_forward(batch)
+    assert not torch.equal(fresh[1], kept[1]) and module._fixmatch_shared is not None
+    assert module.fixmatch_forward(batch)[1] is kept[1] and module._fixmatch_shared is None
+    module._fixmatch_shared = (weak, 5, kept)  # made at another step: the loss forwards again
+    assert module.fixmatch_forward(batch)[1] is not kept[1] and module._fixmatch_shared is None
 
 
 def test_without_the_callback_it_is_plain_fixmatch(tmp_path):
@@ -287,32 +301,10 @@ def test_bf16_mixed_fit_keeps_the_pseudo_label_as_trained(tmp_path):
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
-def test_a_sync_free_fixmatch_step_makes_at_most_one_host_read_more_than_plain_fixmatch(tmp_path):
-    from tests.callback.test_callback_sync_free import CountOneStep
-
-    class Quiet(UserFixMatch):  # keeps its loss parts as tensors: no host reads of its own
-        def training_step(self, batch, batch_idx):
-            loss, parts = self.fixmatch_loss(batch)
-            self.parts.append(parts)
-            return loss
-
-    totals = {}
-    for name in ("plain", "sync_free"):
-        pl.seed_everything(0)
-        count = CountOneStep(epoch=1, batch_idx=1)
-        middle = [LPA3Callback(ratio=0.5, steps=2, seed=0, input_range=None, runtime={"sync_free": True})] if name != "plain" \
-            else []
-        module = Quiet(num_unlabeled=64, confidence=0.4)  # some rows pass the second threshold
-        _trainer(tmp_path, [count.opener, *middle, count], max_epochs=2).fit(module, _loaders())
-        totals[name] = count.counter
-    assert float(module.parts[5]["num_augmented"]) > 1  # the counted step (epoch 1, batch 1) trained on x'
-    assert totals["sync_free"].total - totals["plain"].total <= 1, dict(totals["sync_free"].sites)
-
-
 # ------------------------------------------------------------------ solving only the x' the loss weighs
 def test_skipped_rows_count_in_the_lpa3_term_as_zero_weighted_x_prime():
     """A selected row left unsolved (train_mask) weighs as the authors' zeroed x' would: in the denominator."""
-    from lpa3_lightning.core.augmented_forward import running_statistics
+    from lpa3_lightning.core.forward_modes import running_statistics
 
     module = UserFixMatch(num_unlabeled=10)
     module.eval()
@@ -320,13 +312,11 @@ def test_skipped_rows_count_in_the_lpa3_term_as_zero_weighted_x_prime():
     probs = torch.tensor([[0.97, 0.02, 0.01], [0.05, 0.89, 0.06], [0.25, 0.25, 0.5], [0.02, 0.02, 0.96]])
     x_adv = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     statistics = running_statistics(module.net)
-    every_selected = AugmentedBatch(inputs=x_adv, targets=torch.tensor([0, 1, 2]), indices=torch.tensor([5, 6, 8]),
-                                    mask=torch.tensor([True, True, False, True]), bn_mode="eval",
-                                    bn_statistics=statistics)
+    every_selected = handed_over(module, x_adv, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 8]),
+                                 torch.tensor([True, True, False, True]), statistics=statistics)
     # the same selection with row 6 (confidence 0.89 < 0.9) left unsolved
-    trained_only = AugmentedBatch(inputs=x_adv[[0, 2]], targets=torch.tensor([0, 2]), indices=torch.tensor([5, 8]),
-                                  mask=torch.tensor([True, False, False, True]), bn_mode="eval",
-                                  bn_statistics=statistics, skipped=1)
+    trained_only = handed_over(module, x_adv[[0, 2]], torch.tensor([0, 2]), torch.tensor([5, 8]),
+                               torch.tensor([True, False, False, True]), statistics=statistics, skipped=1)
     parts = {}
     for name, augmented in (("every", every_selected), ("trained", trained_only)):
         _given_pseudo_labels(module, probs)
@@ -358,14 +348,13 @@ def test_the_request_marks_the_rows_the_loss_will_train():
 
 def _deterministic_solver(calls: list[int]):
     """A stand-in for the solver whose x' depends on each row alone (no noise draw), counting rows."""
-    from lpa3_lightning.core.attack import AttackStats
+    from lpa3_lightning.core.solver import AttackStats
 
-    def solve(model, x, y, **kwargs):
+    def solve(features, x, *args, **kwargs):
         calls.append(int(x.shape[0]))
         x_adv = x + 0.1 * torch.tanh(3 * x)
         zeros = torch.zeros(x.shape[0])
-        stats = AttackStats(zeros, zeros, zeros.bool(), zeros.bool(), zeros)
-        return (x_adv, stats) if kwargs.get("return_stats") else x_adv
+        return x_adv, AttackStats(zeros, zeros, zeros.bool(), zeros.bool(), zeros)
 
     return solve
 
@@ -381,7 +370,7 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
     runs = {}
     for solve_trained_only in (False, True):
         calls: list[int] = []
-        monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", _deterministic_solver(calls))
+        monkeypatch.setattr("lpa3_lightning.callback.hard_positives.solve", _deterministic_solver(calls))
         pl.seed_everything(0)
         # some rows pass, some do not; with a cache no loss warm-up (an x' cached in it would be
         # reused after it, which the run that does not solve in the warm-up cannot do)
@@ -408,30 +397,6 @@ def test_solving_only_the_trained_rows_gives_the_authors_loss_with_fewer_solves(
         # every selected row is solved, but not in the loss warm-up (epoch 0, 4 steps of one solve
         # each at ratio 1), where the module says it trains no x' (lpa3_consumes_augmented)
         assert trained_calls == authors_calls[4:] and len(authors_calls) == 12
-
-
-def test_the_sync_free_path_solves_only_the_trained_rows_as_the_default_path_does(tmp_path, monkeypatch):
-    """The request's train_mask on both per-batch paths: the same rows solved at every step, the
-    same LP-A3 term and the same logged skipped share (the sync-free path once solved every
-    selected row and logged a skipped share of 0)."""
-    runs = {}
-    for sync_free in (False, True):
-        calls: list[int] = []
-        monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", _deterministic_solver(calls))
-        pl.seed_everything(0)
-        module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.7)
-        callback = LPA3Callback(ratio=1.0, steps=2, seed=0, input_range=None, runtime={"sync_free": sync_free})
-        trainer = _trainer(tmp_path, [callback], max_epochs=3)
-        trainer.fit(module, _loaders())
-        runs[sync_free] = (module.parts, calls, float(trainer.callback_metrics["lpa3/skipped_fraction_epoch"]))
-    (default, default_calls, default_skipped), (free, free_calls, free_skipped) = runs[False], runs[True]
-    assert free_calls == default_calls
-    # epochs 1 and 2 select every row (ratio 1): a step that solved fewer than its 16 rows skipped some
-    assert any(n < 16 for n in default_calls)
-    assert free_skipped == pytest.approx(default_skipped) and default_skipped > 0
-    for d, f in zip(default, free):
-        assert f["loss_lpa3"] == pytest.approx(d["loss_lpa3"], rel=1e-5, abs=1e-7)
-        assert f["num_augmented"] == d["num_augmented"]
 
 
 def test_a_train_mask_of_the_wrong_kind_is_refused_by_name(tmp_path):
@@ -494,19 +459,26 @@ def test_varied_pseudo_labels_give_no_collapse_warning(tmp_path):
 
 def test_under_bf16_mixed_the_requests_forward_is_the_training_forward(tmp_path):
     """The callback asks for the pseudo-labels in on_train_batch_start, outside the autocast Lightning puts
-    around training_step: the request's joint forward runs in the run's precision, so its logits are the
-    training forward's (in float32 they differ from bfloat16's by about 1e-2)."""
+    around training_step: the request's joint forward, which the step then trains, runs in the run's precision
+    (bfloat16 logits), once a step; the x' get the pseudo-labels of that forward."""
     pl.seed_everything(0)
     module = UserFixMatch(num_unlabeled=64, loss_warmup=0, confidence=0.4)
     rows = 4 + 2 * 16  # _loaders: 4 labeled + 16 weak + 16 strong
     outputs: list[torch.Tensor] = []
     module.net.register_forward_hook(
-        lambda _m, inputs, out: outputs.append(out.detach().float()) if inputs[0].shape[0] == rows else None)
-    callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=1, seed=0, input_range=None)
+        lambda _m, inputs, out: outputs.append(out.detach()) if inputs[0].shape[0] == rows else None)
+    handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Handed(LPA3Callback):
+        def on_augmented(self, trainer, pl_module, augmented):
+            handed.append((augmented.positions(), augmented.targets.clone()))
+
+    callback = Handed(ratio=0.5, sigma=0.02, steps=1, seed=0, input_range=None)
     _trainer(tmp_path, [callback], max_epochs=1, precision="bf16-mixed", limit_train_batches=3).fit(module, _loaders())
-    assert len(outputs) == 6  # the request's and the step's, each step
-    for request, step in zip(outputs[0::2], outputs[1::2]):
-        torch.testing.assert_close(request, step, rtol=0, atol=0)
+    assert len(outputs) == 3 and all(out.dtype == torch.bfloat16 for out in outputs)  # one a step, in bfloat16
+    for out, (positions, targets) in zip(outputs, handed):
+        weak = out[4:4 + 16].float()  # (the joint batch: labeled, weak, strong)
+        assert torch.equal(weak.argmax(1).index_select(0, positions), targets)
 
 
 def test_outside_a_fit_the_request_always_gives_the_pseudo_labels():
@@ -516,4 +488,3 @@ def test_outside_a_fit_the_request_always_gives_the_pseudo_labels():
     probs = torch.tensor([[0.1, 0.8, 0.1], [0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.2, 0.7, 0.1]])
     _given_pseudo_labels(module, probs)
     assert module.lpa3_request(_tiny_batch()).targets.tolist() == [1, 0, 2, 1]
-    assert module.lpa3_split_batch(_tiny_batch())[1].tolist() == [1, 0, 2, 1]

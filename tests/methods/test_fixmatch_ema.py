@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lpa3_lightning import FixMatchEMA
-from tests.callback.test_callback import TinyClassifier, _loader
+from tests.callback.test_lpa3_callback import TinyClassifier, _loader
 
 
 def _fit(ema: FixMatchEMA) -> tuple[TinyClassifier, FixMatchEMA]:

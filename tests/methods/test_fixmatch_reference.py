@@ -39,10 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpa3_lightning import FixMatchClassifier
-from lpa3_lightning.core.augmented import AugmentedBatch
+from lpa3_lightning.methods.base import AugmentedBatch
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.data import SemiSupervisedDataModule
 from lpa3_lightning.mixins import FixMatchLPA3Mixin, FixMatchSettings
+from tests.helpers import handed_over
 from tests.methods.reference_helpers import (
     AuthorsTwinNet,
     assert_same_buffers,
@@ -220,8 +221,8 @@ def test_the_lpa3_term_in_the_authors_forward_is_the_authors_term(temperature):
     selected[::2] = True  # the rows the TCS selection picked
     g = torch.Generator().manual_seed(11)
     x_adv = request.inputs[selected] + 0.3 * torch.randn(request.inputs[selected].shape, generator=g)
-    module.lpa3_set_augmented(AugmentedBatch(inputs=x_adv, targets=request.targets[selected],
-                                             indices=request.indices[selected], mask=selected, bn_mode="twin"))
+    module.lpa3_set_augmented(handed_over(module, x_adv, request.targets[selected], request.indices[selected],
+                                          selected, bn_mode="twin"))
     loss, parts = module.fixmatch_loss(batch)
     loss.backward()
     reference = reference_fixmatch_step(reference_net, batch, temperature=temperature)

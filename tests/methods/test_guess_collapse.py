@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lpa3_lightning import DivideMixClassifier, PESClassifier
-from lpa3_lightning.core.host_reads import HostReadCounter
+from tests.helpers import HostReadCounter
 from lpa3_lightning.methods.guess_tally import GuessTally, guess_collapse_warning, warn_on_collapse
 from lpa3_lightning.mixins import DivideMixSettings, PESSettings
 from tests.methods.reference_helpers import NUM_CLASSES, SIDE

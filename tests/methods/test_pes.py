@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from lpa3_lightning import LPA3Callback, PESClassifier
 from lpa3_lightning.methods.mixmatch import mixup, mixup_lambda, probability_mse, sharpen, soft_cross_entropy
 from lpa3_lightning.mixins import PESSettings, split_two_view_batch
-from tests.helpers import independent_logp_drop, indexed_images
+from tests.helpers import handed_over, independent_logp_drop, indexed_images
 
 NUM_CLASSES = 3
 
@@ -56,9 +56,9 @@ class Recording(PESClassifier):
         self.parts: list[dict[str, float]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        augmented = self._lpa3_augmented
-        if augmented is not None and len(augmented) and augmented.reference_inputs is not None:
-            self.records.append({"model": copy.deepcopy(self.model), "x": augmented.reference_inputs.clone(),
+        augmented = self._lpa3_slot("augmented", None)
+        if augmented is not None and len(augmented) and augmented.verified.reference_inputs is not None:
+            self.records.append({"model": copy.deepcopy(self.model), "x": augmented.verified.reference_inputs.clone(),
                                  "x_adv": augmented.inputs.clone(), "y": augmented.targets.clone()})
         loss = super().training_step(batch, batch_idx)
         self.parts.append({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("train/")})
@@ -211,7 +211,7 @@ def test_the_request_holds_the_unlabeled_rows_whose_guess_is_sure_enough(thresho
 
 def test_with_a_confidence_each_x_prime_is_trained_against_its_own_rows_guess(monkeypatch):
     import lpa3_lightning.methods.pes as pes_module
-    from lpa3_lightning.core.augmented import AugmentedBatch
+    from lpa3_lightning.methods.base import AugmentedBatch
 
     module, batch = _semi_phase_module_and_batch()
     guess = module.pes_guess(batch).clone()  # the step's guess (forwarded once, reused by the loss)
@@ -360,13 +360,13 @@ def test_the_unmixed_lpa3_term_is_the_mse_of_the_x_prime_against_their_guess():
     assert torch.equal(request.indices, idx[4:])
     mask = torch.zeros(8, dtype=torch.bool)
     mask[[1, 3, 6]] = True
-    from lpa3_lightning.core.augmented import AugmentedBatch
-    from lpa3_lightning.core.augmented_forward import running_statistics
+    from lpa3_lightning.methods.base import AugmentedBatch
+    from lpa3_lightning.core.forward_modes import running_statistics
 
     model = module.model
     x_adv = request.inputs[mask] + 0.01
-    module.lpa3_set_augmented(AugmentedBatch(inputs=x_adv, targets=request.targets[mask], indices=request.indices[mask],
-                                             mask=mask, bn_mode="eval", bn_statistics=running_statistics(model)))
+    module.lpa3_set_augmented(handed_over(module, x_adv, request.targets[mask], request.indices[mask], mask,
+                                          statistics=running_statistics(model)))
     guess = module.pes_guess(batch)[mask]
     reference = copy.deepcopy(model).eval()  # BN on the running statistics, as the eval-mode solver
     with torch.no_grad():
@@ -380,10 +380,10 @@ def test_the_unmixed_lpa3_term_is_the_mse_of_the_x_prime_against_their_guess():
 def test_the_callback_solves_only_in_the_epochs_the_module_trains_x_prime(monkeypatch, tmp_path):
     """PES trains x' in its semi phase only (lpa3_consumes_augmented): a callback without its own
     warm-up used to solve in the early and refine phases too, for nothing."""
-    import lpa3_lightning.core.attack as attack_module
+    import lpa3_lightning.callback.hard_positives as hard_positives
 
     solved: dict[int, int] = {}
-    solve = attack_module.lpa3_attack
+    solve = hard_positives.solve
 
     class Counting(LPA3Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -392,11 +392,11 @@ def test_the_callback_solves_only_in_the_epochs_the_module_trains_x_prime(monkey
 
     callback = Counting(ratio=1.0, steps=1, seed=0, warmup_epochs=0)
 
-    def counted(model, x, y, **kwargs):
+    def counted(features, x, *args, **kwargs):
         solved[callback._epoch] = solved.get(callback._epoch, 0) + int(x.shape[0])
-        return solve(model, x, y, **kwargs)
+        return solve(features, x, *args, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.hard_positives.solve", counted)
     pl.seed_everything(0)
     module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
                            pes=PESSettings(early_epochs=1, refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0))
@@ -409,16 +409,16 @@ def test_the_cache_windows_start_where_the_module_starts_training_x_prime(monkey
     """With K = 3 and the semi phase from epoch 2 (the callback's own warm-up 0), the solver runs in
     epochs 2 and 5: the windows count from the first epoch the module trains x' (anchored at the
     callback's warm-up they would regenerate in epoch 3, one epoch into the first window)."""
-    solve = __import__("lpa3_lightning.callback.augment_stage", fromlist=["lpa3_attack"]).lpa3_attack
+    solve = __import__("lpa3_lightning.callback.hard_positives", fromlist=["solve"]).solve
     epochs: set[int] = set()
     module = PESClassifier(num_classes=NUM_CLASSES, num_samples=48, model=_net(),
                            pes=PESSettings(early_epochs=1, refine_epochs=1, lambda_u=5.0, rampup_epochs=1.0))
 
-    def counted(model, x, y, **kwargs):
+    def counted(*args, **kwargs):
         epochs.add(module.trainer.current_epoch)
-        return solve(model, x, y, **kwargs)
+        return solve(*args, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.hard_positives.solve", counted)
     pl.seed_everything(0)
     callback = LPA3Callback(ratio=1.0, steps=1, seed=0,
                             cache={"regenerate_every_n_epochs": 3, "attack_new_selections": False})

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lpa3_lightning.core.augmented import AugmentedBatch
+from lpa3_lightning.methods.base import AugmentedBatch
 from lpa3_lightning.core.dual_bn import convert_dual_bn
 from lpa3_lightning.mixins import PESLPA3Mixin, PESSettings
+from tests.helpers import handed_over
 from tests.methods.reference_helpers import (
     NUM_CLASSES,
     AuthorsTwinNet,
@@ -320,8 +321,8 @@ def _lpa3_step(module: PESStep, batch: list) -> tuple[AugmentedBatch, Tensor]:
     g = torch.Generator().manual_seed(11)
     x_adv = request.inputs + 0.2 * torch.randn(request.inputs.shape, generator=g)
     mask = torch.ones(len(request.indices), dtype=torch.bool)
-    augmented = AugmentedBatch(inputs=x_adv, targets=request.targets, indices=request.indices, mask=mask,
-                               bn_mode="twin", reference_inputs=request.inputs.clone())
+    augmented = handed_over(module, x_adv, request.targets, request.indices, mask, bn_mode="twin",
+                            reference_inputs=request.inputs.clone())
     module.lpa3_set_augmented(augmented)
     return augmented, request.targets
 
@@ -410,7 +411,7 @@ def test_the_lpa3_term_by_default_trains_x_prime_in_the_solvers_forward_as_docum
     all_targetsadv = torch.cat([clean["targets_x"], clean["targets_x"], targets_u])
     mixed_inputadv = lam * all_inputsadv + (1 - lam) * all_inputsadv[idx_adv]
     mixed_targetadv = lam * all_targetsadv + (1 - lam) * all_targetsadv[idx_adv]
-    logits_adv = authors.forward_reference_rows(augmented.reference_inputs, mixed_inputadv[batch_size * 2:])
+    logits_adv = authors.forward_reference_rows(augmented.verified.reference_inputs, mixed_inputadv[batch_size * 2:])
     Ladv = torch.mean((torch.softmax(logits_adv, -1) - mixed_targetadv[batch_size * 2:]) ** 2)
     expected = clean["Lx"] + ramp * (clean["Lu"] + Ladv)
     expected.backward()
@@ -419,9 +420,9 @@ def test_the_lpa3_term_by_default_trains_x_prime_in_the_solvers_forward_as_docum
     assert_same_gradients(module.net, authors, authors_name)
     assert_same_buffers(module.net, authors, authors_name)
     assert all(torch.equal(v, bn_buffers(module.net)[k]) for k, v in twin_before.items())
-    preserved = module.lpa3_pop_augmented_logits()  # the no-grad forward of the unmixed x', for the tally
+    preserved = augmented.verified.logits  # the no-grad forward of the unmixed x', for the tally
     with torch.no_grad():
-        assert_close(preserved, authors.forward_reference_rows(augmented.reference_inputs, augmented.inputs),
+        assert_close(preserved, authors.forward_reference_rows(augmented.verified.reference_inputs, augmented.inputs),
                      "logits of the unmixed x'")
     # the authors' forward on the same x' and draws gives another term
     with torch.no_grad():

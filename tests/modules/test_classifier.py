@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from lpa3_lightning import LPA3Callback, LPA3Classifier
 from lpa3_lightning.core.dual_bn import has_dual_bn
 from lpa3_lightning.mixins import SupervisedSettings, split_indexed_batch
-from tests.helpers import indexed_images, small_cnn
+from tests.helpers import handed_over, indexed_images, small_cnn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,13 +35,12 @@ def test_loss_is_clean_plus_augmented_cross_entropy_through_the_twin():
     module = LPA3Classifier(model=small_cnn(num_classes=3), num_classes=3)
     module.train()
     x, y, idx = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0]), torch.arange(4)
-    from lpa3_lightning.core.augmented import AugmentedBatch
-    from lpa3_lightning.core.solver_forward import label_log_prob
+    from lpa3_lightning.core.forward_modes import label_log_prob
 
     x_adv = x[:2] + 0.1
     _, statistics = label_log_prob(module.model, x[:2], y[:2], bn_mode="twin")  # as the callback captures them
-    module.lpa3_set_augmented(AugmentedBatch(x_adv, y[:2], idx[:2], torch.tensor([True, True, False, False]),
-                                             bn_mode="twin", bn_statistics=statistics))
+    module.lpa3_set_augmented(handed_over(module, x_adv, y[:2], idx[:2], torch.tensor([True, True, False, False]),
+                                          bn_mode="twin", statistics=statistics))
     main_mean = module.model[1].running_mean.clone()
     twin_mean = module.model[1].twin.running_mean.clone()
     loss, logits, parts = module.lpa3_supervised_loss((x, y, idx))
@@ -73,13 +72,12 @@ def test_the_supervised_settings_weigh_the_hard_positives_and_come_back_from_a_c
     torch.manual_seed(0)
     module = LPA3Classifier(model=small_cnn(num_classes=3), num_classes=3, supervised=SupervisedSettings(weight=0.25))
     assert module.hparams["supervised"] == {"train_forward": "verified", "weight": 0.25}  # the fields, plain values
-    from lpa3_lightning.core.augmented import AugmentedBatch
-    from lpa3_lightning.core.solver_forward import label_log_prob
+    from lpa3_lightning.core.forward_modes import label_log_prob
 
     x, y, idx = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0]), torch.arange(4)
     _, statistics = label_log_prob(module.model, x[:2], y[:2], bn_mode="twin")
-    module.lpa3_set_augmented(AugmentedBatch(x[:2] + 0.1, y[:2], idx[:2], torch.tensor([True, True, False, False]),
-                                             bn_mode="twin", bn_statistics=statistics))
+    module.lpa3_set_augmented(handed_over(module, x[:2] + 0.1, y[:2], idx[:2], torch.tensor([True, True, False, False]),
+                                          bn_mode="twin", statistics=statistics))
     loss, _, parts = module.lpa3_supervised_loss((x, y, idx))
     torch.testing.assert_close(loss.detach(), parts["loss_clean"] + 0.25 * parts["loss_aug"])
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=1, accelerator="cpu", default_root_dir=tmp_path,

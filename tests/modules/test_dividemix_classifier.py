@@ -32,11 +32,11 @@ class Recording(DivideMixClassifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x1, x2, _, idx = batch
         for name in self.lpa3_networks():
-            augmented = self._lpa3_slot("_lpa3_augmented", name)
+            augmented = self._lpa3_slot("augmented", name)
             if augmented is not None and len(augmented):
                 own, other = self.dividemix_model(name), self.dividemix_model(self.dividemix_other(name))
                 self.records.append({"network": name, "model": copy.deepcopy(own),
-                                     "x": augmented.reference_inputs.clone(), "x_adv": augmented.inputs.clone(),
+                                     "x": augmented.verified.reference_inputs.clone(), "x_adv": augmented.inputs.clone(),
                                      "y": augmented.targets.clone(),
                                      "guess": _independent_guess(own, other, x1, x2, idx, augmented,
                                                                  self.dividemix_clean_probability(
@@ -181,7 +181,7 @@ def test_split_losses_on_augmented_views_are_warned_about_once(tmp_path):
 def test_a_callback_without_a_warmup_solves_nothing_in_dividemixs_warmup(tmp_path, monkeypatch):
     """No x' is trained in DivideMix's warm-up, so the callback (warmup_epochs=0) solves none there
     (the module's lpa3_consumes_augmented) and needs no warning; it solves from the semi phase on."""
-    solve = __import__("lpa3_lightning.callback.augment_stage", fromlist=["lpa3_attack"]).lpa3_attack
+    solve = __import__("lpa3_lightning.callback.hard_positives", fromlist=["solve"]).solve
     solved_in: list[int] = []
     module = _module()
 
@@ -189,7 +189,7 @@ def test_a_callback_without_a_warmup_solves_nothing_in_dividemixs_warmup(tmp_pat
         solved_in.append(module.current_epoch)
         return solve(*args, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.hard_positives.solve", counted)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*warmup_epochs.*")
         _trainer(2, [LPA3Callback(ratio=1.0, steps=1, warmup_epochs=0)], tmp_path, limit_train_batches=2).fit(
@@ -233,14 +233,14 @@ def test_a_zero_weight_for_x_prime_is_refused_when_the_callback_attacks(tmp_path
 
 def test_the_callback_solves_nothing_in_the_warm_up(monkeypatch, tmp_path):
     """DivideMix trains x' after its warm-up only: no solve before, whatever the callback's own warm-up."""
-    solve = __import__("lpa3_lightning.callback.augment_stage", fromlist=["lpa3_attack"]).lpa3_attack
+    solve = __import__("lpa3_lightning.callback.hard_positives", fromlist=["solve"]).solve
     epochs: list[int] = []
     module = _module(warmup_epochs=1)
 
-    def counted(model, x, y, **kwargs):
+    def counted(*args, **kwargs):
         epochs.append(module.trainer.current_epoch)
-        return solve(model, x, y, **kwargs)
+        return solve(*args, **kwargs)
 
-    monkeypatch.setattr("lpa3_lightning.callback.augment_stage.lpa3_attack", counted)
+    monkeypatch.setattr("lpa3_lightning.callback.hard_positives.solve", counted)
     _trainer(2, [LPA3Callback(ratio=1.0, steps=1, seed=0, warmup_epochs=0)], tmp_path).fit(module, _data())
     assert epochs and set(epochs) == {1}

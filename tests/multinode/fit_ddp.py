@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lpa3_lightning import LPA3Callback  # noqa: E402
 from lpa3_lightning.data.sampling import train_loader  # noqa: E402
-from tests.callback.test_callback import TinyClassifier  # noqa: E402
+from tests.callback.test_lpa3_callback import TinyClassifier  # noqa: E402
 from tests.ddp.run_ddp import no_bn_net  # noqa: E402
 from tests.helpers import indexed_images  # noqa: E402
 

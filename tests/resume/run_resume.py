@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lpa3_lightning import LPA3Callback  # noqa: E402
 from lpa3_lightning.data import train_loader  # noqa: E402
-from tests.callback.test_callback import TinyClassifier  # noqa: E402
+from tests.callback.test_lpa3_callback import TinyClassifier  # noqa: E402
 from tests.helpers import GlobalRandomState, indexed_images  # noqa: E402
 
 KILL_AT = 5  # 48 samples / 16 = 3 steps an epoch: step 5 is the middle of epoch 1
