@@ -244,3 +244,10 @@ def test_the_callback_solves_nothing_in_the_warm_up(monkeypatch, tmp_path):
     monkeypatch.setattr("lpa3_lightning.callback.hard_positives.solve", counted)
     _trainer(2, [LPA3Callback(ratio=1.0, steps=1, seed=0, warmup_epochs=0)], tmp_path).fit(module, _data())
     assert epochs and set(epochs) == {1}
+
+
+def test_the_off_switch_fits_dividemix_without_touching_its_networks(tmp_path):
+    """augment='off' builds no network view: on_fit_start must not ask a two-network module for lpa3_model()."""
+    module = _module()
+    _trainer(1, [LPA3Callback(augment="off")], tmp_path, limit_train_batches=1).fit(module, _data())
+    assert module.trainer.global_step > 0
