@@ -117,10 +117,13 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
     def _fixmatch_shares_forward(self) -> bool:
         """Whether the request's forward, made outside the strategy's wrapper, may be the step's: on one device,
         and under DDP from torch 2.14 (tested here; DDP's in-place buffer broadcast before the step's forward
-        touches the graph's saved BatchNorm buffers, which older releases refuse at backward). Elsewhere
-        (FSDP, DeepSpeed, older torch under DDP) the request forwards once more without gradient, as in 0.3."""
+        touches the graph's saved BatchNorm buffers, which older releases refuse at backward); never with
+        ``share_forward=False``. Elsewhere (FSDP, DeepSpeed, older torch under DDP) the request forwards once
+        more without gradient, as in 0.3."""
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+        if not self.lpa3_settings.share_forward:
+            return False
         strategy = self.trainer.strategy
         if type(strategy) is SingleDeviceStrategy or (isinstance(strategy, DDPStrategy) and strategy.world_size == 1):
             return True

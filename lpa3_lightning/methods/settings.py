@@ -78,6 +78,9 @@ class FixMatchSettings(LPA3Settings):
             authors: 5 of their 1,024-step epochs, lines 160, 202, 449).
         solve_trained_only: ``True`` (ours; ``False``: the authors' cost). Only the rows the loss will
             weigh are solved, the loss unchanged; with ``train_forward="verified"`` and no ``x'`` cache.
+        share_forward: ``True`` (ours). The request's joint forward, with its graph, is the step's: one
+            forward a step, the graph held through the solve (more peak memory: docs/results.md, Cost);
+            ``False``: the request forwards the joint batch once more without gradient (0.3's design).
     """
 
     group: ClassVar[str] = "fixmatch"
@@ -89,6 +92,7 @@ class FixMatchSettings(LPA3Settings):
     lpa3_weight: float = 1.0
     lpa3_loss_warmup_epochs: int = 5
     solve_trained_only: bool = True
+    share_forward: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +103,7 @@ class FixMatchSettings(LPA3Settings):
         self._number("lpa3_weight", "use 1.0 (the LP-A3 authors').", minimum=0)
         self._int("lpa3_loss_warmup_epochs", 0, "use e.g. 5, in passes over the unlabeled set.")
         self._bool("solve_trained_only", "use True (the same loss, less solver work) or False (the authors' cost).")
+        self._bool("share_forward", "use True (one forward a step) or False (less peak memory, one forward more).")
 
 
 @dataclass(frozen=True)

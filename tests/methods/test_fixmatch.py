@@ -208,17 +208,20 @@ def test_user_fixmatch_module_fits_with_the_callback_and_forwards_the_joint_batc
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.handle.remove()
 
-    for name in ("plain", "lpa3"):
+    for name in ("plain", "lpa3", "lpa3_unshared"):
         pl.seed_everything(0)
         module = UserFixMatch(num_unlabeled=64, loss_warmup=1, confidence=0.4)
+        if name == "lpa3_unshared":  # share_forward=False: the request forwards once more, without gradient
+            module.lpa3_settings = replace(module.lpa3_settings, share_forward=False)
         callback = LPA3Callback(ratio=0.5, sigma=0.02, steps=2, seed=0, input_range=None)
         # the counter runs first: its hook sees the callback's request forward too
-        trainer = _trainer(tmp_path, [CountsJointForwards(name), *([callback] if name == "lpa3" else [])],
+        trainer = _trainer(tmp_path, [CountsJointForwards(name), *([callback] if name != "plain" else [])],
                            max_epochs=2)
         trainer.fit(module, _loaders())
-    assert len(steps) == 16
-    # the solver's forwards take the selected weak rows only
-    assert joint_forwards == {"plain": 8, "lpa3": 8}
+    assert len(steps) == 24
+    # the solver's forwards take the selected weak rows only; unshared, the 4 steps of the epoch that trains x'
+    # (after the loss warm-up) forward the joint batch twice
+    assert joint_forwards == {"plain": 8, "lpa3": 8, "lpa3_unshared": 12}
     tcs = callback.runner().tcs
     assert tcs is not None and tcs.num_samples == 64 and bool(tcs.seen.all())  # TCS over the unlabeled set
     assert sum(p["num_augmented"] for p in module.parts) > 0
