@@ -213,7 +213,9 @@ class LPA3Callback(Callback):
             check_module(module, self.layers, self.solver.attack_bn)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.augment == "off":  # (setup built no network view: a DivideMix module has no lpa3_model())
+        if self.augment == "off":  # no network view was built (a DivideMix module has no lpa3_model()): the
+            # module's twins, never trained without x', still join DDP's graph, so "off" runs where "lpa3" does
+            anchor_twin_parameters(pl_module, trainer.world_size > 1)
             return
         for _, module in self._each(pl_module):
             model = unwrap_compiled(module.lpa3_model())
