@@ -59,9 +59,10 @@ def pair_rows(runs: dict[str, dict[int, dict]], pairs: list[tuple[str, str]]) ->
     for arm, base in pairs:
         if arm not in runs or base not in runs:
             continue
+        measured = {m: {s: run_measures(r) for s, r in runs[m].items()} for m in (arm, base)}
         for measure in ("last3", "curve_mean"):
-            of = {m: {s: run_measures(r)[measure] for s, r in runs[m].items()} for m in (arm, base)}
-            stats = paired_difference(of[base], of[arm])
+            stats = paired_difference({s: v[measure] for s, v in measured[base].items()},
+                                      {s: v[measure] for s, v in measured[arm].items()})
             spread = stats["std"] if math.isfinite(stats["std"]) else math.nan
             rows.append({"arm": arm, "base": base, "measure": measure, **stats,
                          "seeds_for_1pt": seeds_needed(0.01, spread) if math.isfinite(spread) else None,
@@ -81,8 +82,8 @@ def markdown(runs: dict[str, dict[int, dict]], rows: list[dict]) -> str:
     lines = ["| arm | seeds | (a) last 3, mean +- std | (b) curve mean, mean +- std | wall h (sum) |",
              "|---|---|---|---|---|"]
     for method, by_seed in runs.items():
-        a = [run_measures(r)["last3"] for r in by_seed.values()]
-        b = [run_measures(r)["curve_mean"] for r in by_seed.values()]
+        measured = [run_measures(r) for r in by_seed.values()]
+        a, b = [m["last3"] for m in measured], [m["curve_mean"] for m in measured]
         sd = (lambda v: statistics.stdev(v) if len(v) > 1 else math.nan)
         hours = sum(r.get("wall_seconds", 0.0) for r in by_seed.values()) / 3600
         lines.append(f"| {method} | {', '.join(map(str, sorted(by_seed)))} | {statistics.mean(a):.3f} +- {sd(a):.3f} "

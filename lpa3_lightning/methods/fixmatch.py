@@ -124,11 +124,10 @@ class FixMatchLPA3Mixin(LPA3ModuleMixin):
 
         if not self.lpa3_settings.share_forward:
             return False
-        strategy = self.trainer.strategy
-        if type(strategy) is SingleDeviceStrategy or (isinstance(strategy, DDPStrategy) and strategy.world_size == 1):
+        strategy = self.trainer.strategy  # (exact types: DeepSpeedStrategy subclasses DDPStrategy)
+        if type(strategy) is SingleDeviceStrategy:
             return True
-        version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
-        return isinstance(strategy, DDPStrategy) and type(strategy) is DDPStrategy and version >= (2, 14)
+        return type(strategy) is DDPStrategy and (strategy.world_size == 1 or torch.__version__ >= (2, 14))
 
     def lpa3_consumes_augmented(self, epoch: int) -> bool:
         """The LP-A3 term counts from ``lpa3_loss_warmup_epochs`` on: the callback solves nothing
