@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine (each creates the venv when missing):
 #   make demo   train the default job (BreastMNIST + LP-A3, data shipped in the package)
-#   make test   run the test suite
+#   make test   run the test suite (pytest-xdist, one worker a core; tests/conftest.py shares the threads)
 # make venv installs only; make smoke runs the demo's whole path in a few steps.
 PYTHON ?= python3
 VENV ?= .venv
@@ -25,7 +25,7 @@ smoke: venv
 		--trainer.default_root_dir runs/smoke --trainer.logger.init_args.save_dir runs/smoke
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

@@ -49,6 +49,16 @@ class Prepared:
     made: HardPositives | None = None
 
 
+def _not_a_row_mask(value: Any, n: int, device: torch.device | None = None) -> str | None:
+    """None for a bool tensor of shape ``(n,)`` (on ``device`` when given), else what ``value`` is instead."""
+    if isinstance(value, Tensor) and value.dtype == torch.bool and value.shape == (n,) and \
+            (device is None or value.device == device):
+        return None
+    if not isinstance(value, Tensor):
+        return type(value).__name__
+    return f"dtype {value.dtype}, shape {tuple(value.shape)} on {value.device}"
+
+
 def check_request(request: Any, num_classes: int, num_samples: int) -> None:
     """Refuse a request of the wrong type, shapes or values.
 
@@ -73,9 +83,8 @@ def check_request(request: Any, num_classes: int, num_samples: int) -> None:
             "dataset index per sample."
         )
     check_dataset_indices(request.indices, num_samples, name="LPA3Request.indices")
-    mask = request.train_mask
-    if mask is not None and (not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != (n,)):
-        what = f"dtype {mask.dtype} and shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+    what = None if request.train_mask is None else _not_a_row_mask(request.train_mask, n)
+    if what is not None:
         raise ValueError(f"LPA3Request.train_mask must be a bool tensor of shape ({n},) (one flag per input), got "
                          f"{what}. Fix: pass e.g. `confidence >= threshold`, or None to solve every selected row.")
     check_class_labels(request.targets, num_classes, name="LPA3Request.targets")
@@ -89,10 +98,8 @@ def check_selection(by_memory: Any, mask: Any, n: int, device: torch.device) -> 
         ValueError: naming the value and the fix.
     """
     for name, value in (("the memory's mask", by_memory), ("the rows to solve", mask)):
-        if not isinstance(value, Tensor) or value.dtype != torch.bool or value.shape != (n,) or \
-                value.device != device:
-            what = f"dtype {value.dtype}, shape {tuple(value.shape)} on {value.device}" if isinstance(value, Tensor) \
-                else type(value).__name__
+        what = _not_a_row_mask(value, n, device)
+        if what is not None:
             raise ValueError(f"LPA3Callback.select returned {name} as {what}; it must be a bool tensor of shape "
                              f"({n},) on {device}. Fix: return (by_memory, mask) as bool masks over the request's rows.")
 

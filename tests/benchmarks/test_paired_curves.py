@@ -54,3 +54,22 @@ def test_a_pair_of_the_wrong_form_is_refused(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_curves.py"), str(tmp_path),
                            "--pairs", "arm-base"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "ARM:BASE" in done.stderr
+
+
+def test_noisy_table_runs_are_read_by_test_acc_and_the_runs_below_the_base_counted(tmp_path):
+    # noisy_table.py's JSON: per-epoch points with `test_acc` only; E2 counts the runs of an arm below `ce`
+    base = {100: [0.2, 0.5, 0.6], 101: [0.3, 0.4, 0.5], 102: [0.1, 0.6, 0.7]}
+    arm = {100: [0.1, 0.4, 0.5], 101: [0.3, 0.5, 0.6], 102: [0.1, 0.5, 0.6]}
+    for method, curves in (("ce", base), ("pes", arm)):
+        for seed, curve in curves.items():
+            points = [{"epoch": e, "test_acc": a} for e, a in enumerate(curve)]
+            (tmp_path / f"{method}_seed{seed}.json").write_text(
+                json.dumps({"method": method, "seed": seed, "curve": points, "wall_seconds": 1.0}))
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_curves.py"), str(tmp_path),
+                    "--pairs", "pes:ce", "--json", str(out)], check=True, capture_output=True, cwd=ROOT)
+    row = next(r for r in json.loads(out.read_text()) if r["measure"] == "last3")
+    by_hand = [sum(arm[s]) / 3 - sum(base[s]) / 3 for s in (100, 101, 102)]
+    assert row["below"] == sum(d < 0 for d in by_hand) == 2
+    assert row["above"] == 1
+    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(row["diffs"], by_hand))
