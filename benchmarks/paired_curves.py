@@ -65,7 +65,6 @@ def pair_rows(runs: dict[str, dict[int, dict]], pairs: list[tuple[str, str]]) ->
                                       {s: v[measure] for s, v in measured[arm].items()})
             spread = stats["std"] if math.isfinite(stats["std"]) else math.nan
             rows.append({"arm": arm, "base": base, "measure": measure, **stats,
-                         "below": sum(d < 0 for d in stats["diffs"]),  # E2's count of runs below its base
                          "seeds_for_1pt": seeds_needed(0.01, spread) if math.isfinite(spread) else None,
                          "seeds_for_2pt": seeds_needed(0.02, spread) if math.isfinite(spread) else None})
     return rows
@@ -96,7 +95,8 @@ def markdown(runs: dict[str, dict[int, dict]], rows: list[dict]) -> str:
         lines.append(f"| {row['arm']} minus {row['base']} | {row['measure']} | "
                      f"{' / '.join(points(d) for d in row['diffs'])} | {points(row['mean'])} +- "
                      f"{spread_points(row['std'])} | "
-                     f"[{points(low)}, {points(high)}] | {row['above']} / {row['below']} of {row['n']} | **{row['verdict']}** | "
+                     f"[{points(low)}, {points(high)}] | {row['above']} / {row['below']} of {row['n']} | "
+                     f"**{row['verdict']}** | "
                      f"{row['seeds_for_1pt']} / {row['seeds_for_2pt']} |")
     return "\n".join(lines)
 

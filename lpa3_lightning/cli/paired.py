@@ -121,7 +121,7 @@ def seeds_needed(effect: float, std: float, power: float = 0.8, confidence: floa
 def paired_difference(base: Mapping[int, float], other: Mapping[int, float], confidence: float = 0.95) -> dict:
     """Paired statistics of ``other - base`` over the seeds both have: a dict of ``seeds``, ``diffs``, ``mean``,
     ``std``, ``ci`` (the two-sided Student-t interval of the mean at ``confidence``), ``confidence``, ``above``
-    (seeds where ``other`` is higher), ``n`` and ``verdict``: ``"helps"`` (the interval above 0), ``"hurts"``
+    and ``below`` (seeds where ``other`` is higher, lower), ``n`` and ``verdict``: ``"helps"`` (the interval above 0), ``"hurts"``
     (below), ``"no difference found"`` (it holds 0), or no verdict, saying why, for fewer than
     :data:`MIN_SEEDS` seeds, differences without spread or a non-finite value.
 
@@ -134,7 +134,8 @@ def paired_difference(base: Mapping[int, float], other: Mapping[int, float], con
     diffs = [float(other[s]) - float(base[s]) for s in seeds]
     n = len(diffs)
     row = {"seeds": seeds, "diffs": diffs, "mean": math.nan, "std": math.nan, "ci": (math.nan, math.nan),
-           "confidence": confidence, "above": sum(d > 0 for d in diffs), "n": n}
+           "confidence": confidence, "above": sum(d > 0 for d in diffs), "below": sum(d < 0 for d in diffs),
+           "n": n}
     if not all(math.isfinite(d) for d in diffs):  # a diverged run (NaN accuracy) is no evidence either way
         return {**row, "verdict": "a run without a finite value: no interval"}
     if n:
