@@ -78,6 +78,13 @@ def spread_points(value: float) -> str:
     return "nan" if not math.isfinite(value) else f"{100 * value:.1f}"
 
 
+def seeds_cell(needed: int | None, std: float) -> str:
+    # None means no spread to size from (one seed) or, with one, that even the cap (1,000 seeds) falls short
+    if not math.isfinite(std):
+        return "n/a"
+    return "> 1000" if needed is None else str(needed)
+
+
 def markdown(runs: dict[str, dict[int, dict]], rows: list[dict]) -> str:
     lines = ["| arm | seeds | (a) last 3, mean +- std | (b) curve mean, mean +- std | wall h (sum) |",
              "|---|---|---|---|---|"]
@@ -97,7 +104,7 @@ def markdown(runs: dict[str, dict[int, dict]], rows: list[dict]) -> str:
                      f"{spread_points(row['std'])} | "
                      f"[{points(low)}, {points(high)}] | {row['above']} / {row['below']} of {row['n']} | "
                      f"**{row['verdict']}** | "
-                     f"{row['seeds_for_1pt']} / {row['seeds_for_2pt']} |")
+                     f"{seeds_cell(row['seeds_for_1pt'], row['std'])} / {seeds_cell(row['seeds_for_2pt'], row['std'])} |")
     return "\n".join(lines)
 
 

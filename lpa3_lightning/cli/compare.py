@@ -2,14 +2,17 @@
 off, on paired seeds; a JSON per run; the paired difference of every test metric with its interval.
 
 Each seed runs the config as given (arm ``lpa3``) and with every ``LPA3Callback`` off (arm ``off``:
-``augment="off"``, the config without LP-A3), both seeding ``seed_everything`` and the data module's ``seed``
+``augment="off"``, the config without LP-A3); ``--arms lpa3 null off`` adds the control ``null``
+(``augment="null"``: the LP-A3 term's rows, labels and weights with ``x' = x``, no solver), whose difference
+from ``lpa3`` is the solver's part of a gain. Every arm seeds ``seed_everything`` and the data module's ``seed``
 (the split, the noise) with it, so their difference cancels what the seed changes. A run (``lpa3 fit``, then a
 test as ``--test_after_fit``'s) is a process of its own, ``--jobs`` at a time with ``--threads`` torch threads,
 and writes ``<out>/<arm>_seed<S>.json`` (configs, overrides, seed, arm, test metrics, wall seconds, version,
 commit) and ``<out>/logs/<arm>_seed<S>.log``. A run whose JSON exists is not run again (a stopped comparison
 resumes); a failed one is named with its log and the command exits 1. The summary: each seed's metrics, per
-test metric the mean ``lpa3 - off``, its 95% Student-t interval and verdict (:mod:`lpa3_lightning.cli.paired`),
-the seeds a 1- and a 2-point difference need, and the wall-time ratio.
+test metric and pair of arms (each arm against ``off``, and ``lpa3`` against ``null``) the mean difference, its
+95% Student-t interval and verdict (:mod:`lpa3_lightning.cli.paired`),
+the seeds a 1- and a 2-point difference need, and the wall-time ratios.
 """
 
 from __future__ import annotations
@@ -30,10 +33,20 @@ from typing import Any
 
 from lpa3_lightning.cli.paired import paired_difference, seeds_needed
 
-__all__ = ["ARMS", "main", "run_name", "summarize"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "comparisons", "main", "run_name", "summarize"]
 
-#: the arms: the config as given, and the same with LP-A3 off
-ARMS = ("lpa3", "off")
+#: the arms a comparison can run, in the order it reports them: the config as given (its callbacks at
+#: augment="lpa3"), its LP-A3 term with x' = x (augment="null"), the config without LP-A3 (augment="off")
+ARMS = ("lpa3", "null", "off")
+#: the arms run when --arms is not given
+DEFAULT_ARMS = ("lpa3", "off")
+
+
+def comparisons(arms: Sequence[str]) -> list[tuple[str, str]]:
+    """The ``(arm, base)`` pairs a summary reports: each arm against ``off``, then ``lpa3`` against ``null``
+    (the solver's part), of the arms given, in :data:`ARMS`'s order whatever the order given."""
+    pairs = [(arm, "off") for arm in ARMS if arm in arms and arm != "off" and "off" in arms]
+    return pairs + [("lpa3", "null")] if "lpa3" in arms and "null" in arms else pairs
 
 
 def run_name(arm: str, seed: int) -> str:
@@ -105,6 +118,7 @@ def worker(configs: Sequence[str], overrides: Sequence[str], arm: str, seed: int
     import torch
 
     from lpa3_lightning import LPA3Callback, __version__
+    from lpa3_lightning.callback.settings import check_augment
     from lpa3_lightning.cli.command import build_cli, run_best_test
 
     torch.set_num_threads(threads)
@@ -112,19 +126,31 @@ def worker(configs: Sequence[str], overrides: Sequence[str], arm: str, seed: int
     trainer = cli.trainer
     callbacks = [c for c in trainer.callbacks if isinstance(c, LPA3Callback)]
     if not callbacks:
-        raise SystemExit("lpa3 compare: error: the config has no LPA3Callback in trainer.callbacks, so both arms would "
+        raise SystemExit("lpa3 compare: error: the config has no LPA3Callback in trainer.callbacks, so every arm would "
                          "be the same run. Fix: add `- class_path: lpa3_lightning.LPA3Callback` under "
                          "trainer.callbacks.")
-    for callback in callbacks if arm == "off" else ():  # (nothing else of a callback acts once it is off)
-        callback.augment, callback.noise_norm = "off", None
+    controls = sorted({c.augment for c in callbacks} - {"lpa3"})
+    if arm == "lpa3" and controls:  # the arm would be labelled lpa3 and train a control
+        raise SystemExit(f"lpa3 compare: error: arm lpa3 runs the config as given, but its LPA3Callback has augment="
+                         f"{controls[0]!r}. Fix: set augment: lpa3 in the config (the other arms set their own), or "
+                         "drop lpa3 from --arms.")
+    for callback in callbacks if arm != "lpa3" else ():  # (set before the fit: nothing is built from it earlier)
+        try:
+            callback.augment, callback.noise_norm = check_augment(arm, None, callback.cache.regenerate_every_n_epochs)
+        except ValueError as error:  # (the null control with a cache: nothing to cache)
+            raise SystemExit(f"lpa3 compare: error: arm {arm} cannot run this config: {error} Fix for the comparison: "
+                             f"cache.regenerate_every_n_epochs=1 for every arm, or drop {arm} from --arms.") from None
     started = time.perf_counter()
     trainer.fit(cli.model, datamodule=cli.datamodule)
     fit_seconds, started = time.perf_counter() - started, time.perf_counter()
+    # what the callbacks measured in the fit's last epoch (x' distances, shares selected): what the arm did
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("lpa3/") and not k.endswith("_step")}
     results, best = run_best_test(trainer, cli.model, cli.datamodule, verbose=False)
     test_seconds = time.perf_counter() - started
     if trainer.is_global_zero:
         record = {"arm": arm, "seed": seed, "configs": [str(c) for c in configs], "overrides": list(overrides),
                   "metrics": {k: float(v) for k, v in (results[0] if results else {}).items()},
+                  "lpa3_last_epoch": logged,
                   "wall_seconds": fit_seconds, "test_seconds": test_seconds, "tested": best or "final weights",
                   "world_size": trainer.world_size, "torch_threads": torch.get_num_threads(),
                   "lpa3_lightning": __version__, "commit": _commit(), "fingerprint": fingerprint(configs, overrides)}
@@ -171,38 +197,44 @@ def load_runs(out: Path) -> dict[tuple[str, int], dict]:
     return {(record["arm"], int(record["seed"])): record for record in records}
 
 
-def summarize(runs: dict[tuple[str, int], dict], seeds: Sequence[int]) -> str:
-    """The per-seed table and the paired rows (``lpa3 - off``) of every test metric, and the wall-time ratio."""
+def summarize(runs: dict[tuple[str, int], dict], seeds: Sequence[int], arms: Sequence[str] = DEFAULT_ARMS) -> str:
+    """The per-seed table and, for every test metric, the paired rows of :func:`comparisons` (``lpa3 - off``
+    first), and each arm's wall-time ratio to its base."""
     metrics = sorted({m for record in runs.values() for m in record["metrics"]})
-    lines = ["seed  " + "  ".join(f"{arm}:{m}" for m in metrics for arm in ARMS) + "  lpa3:s  off:s"]
+    lines = ["seed  " + "  ".join(f"{arm}:{m}" for m in metrics for arm in arms) + "  "
+             + "  ".join(f"{arm}:s" for arm in arms)]
     for seed in seeds:
         row = [f"{seed:<4}"]
         for metric in metrics:
-            for arm in ARMS:
+            for arm in arms:
                 value = runs.get((arm, seed), {}).get("metrics", {}).get(metric)
                 row.append(f"{value:.4f}" if value is not None else "-")
-        row += [f"{runs[(arm, seed)]['wall_seconds']:.0f}" if (arm, seed) in runs else "-" for arm in ARMS]
+        row += [f"{runs[(arm, seed)]['wall_seconds']:.0f}" if (arm, seed) in runs else "-" for arm in arms]
         lines.append("  ".join(row))
     lines.append("")
     for metric in metrics:
         values = {arm: {s: runs[(arm, s)]["metrics"][metric] for s in seeds
-                        if (arm, s) in runs and metric in runs[(arm, s)]["metrics"]} for arm in ARMS}
-        d = paired_difference(values["off"], values["lpa3"])
-        if not d["n"]:
-            continue
-        low, high = d["ci"]
-        need = [seeds_needed(effect, d["std"]) if d["n"] > 1 else None for effect in (0.01, 0.02)]
-        lines.append(f"{metric}: lpa3 - off over {d['n']} seeds: mean {d['mean']:+.4f}"
-                     + (f" +- {d['std']:.4f} (sd), 95% interval [{low:+.4f}, {high:+.4f}]" if d["n"] > 1 else "")
-                     + f", lpa3 above on {d['above']} of {d['n']}: {d['verdict']}"
-                     + (f"; at this spread +1 point (0.01) needs {need[0] or '>1000'} seeds, +2 points "
-                        f"{need[1] or '>1000'}" if d["n"] > 1 else ""))
-    paired = [s for s in seeds if all((arm, s) in runs for arm in ARMS)]
-    if paired:
-        ratios = [runs[("lpa3", s)]["wall_seconds"] / max(runs[("off", s)]["wall_seconds"], 1e-9) for s in paired]
-        lines.append(f"fit wall time: lpa3 / off = {statistics.mean(ratios):.2f}x (per seed "
-                     f"{', '.join(f'{r:.2f}' for r in ratios)}; runs side by side with --jobs > 1 share the machine)")
-    lines.append("How to read it: a seed fixes the initial weights (and the split or noise) for both arms, so each "
+                        if (arm, s) in runs and metric in runs[(arm, s)]["metrics"]} for arm in arms}
+        for arm, base in comparisons(arms):
+            d = paired_difference(values[base], values[arm])
+            if not d["n"]:
+                continue
+            low, high = d["ci"]
+            need = [seeds_needed(effect, d["std"]) if d["n"] > 1 else None for effect in (0.01, 0.02)]
+            lines.append(f"{metric}: {arm} - {base} over {d['n']} seeds: mean {d['mean']:+.4f}"
+                         + (f" +- {d['std']:.4f} (sd), 95% interval [{low:+.4f}, {high:+.4f}]" if d["n"] > 1 else "")
+                         + f", {arm} above on {d['above']} of {d['n']}: {d['verdict']}"
+                         + (f"; at this spread +1 point (0.01) needs {need[0] or '>1000'} seeds, +2 points "
+                            f"{need[1] or '>1000'}" if d["n"] > 1 else ""))
+    for arm, base in comparisons(arms):
+        paired = [s for s in seeds if (arm, s) in runs and (base, s) in runs]
+        if paired:
+            ratios = [runs[(arm, s)]["wall_seconds"] / max(runs[(base, s)]["wall_seconds"], 1e-9) for s in paired]
+            lines.append(f"fit wall time: {arm} / {base} = {statistics.mean(ratios):.2f}x (per seed "
+                         f"{', '.join(f'{r:.2f}' for r in ratios)}; runs side by side with --jobs > 1 share the machine)")
+    if "lpa3" in arms and "null" in arms:
+        lines.append("lpa3 - null is the solver's part: null trains the same rows, labels and weights with x' = x.")
+    lines.append("How to read it: a seed fixes the initial weights (and the split or noise) for every arm, so each "
                  "difference is paired; the interval is where the mean difference lies with 95% confidence given the "
                  "spread between seeds; 'no difference found' means it holds 0, not that there is none.")
     return "\n".join(lines)
@@ -212,11 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``lpa3 compare`` (or, with ``--worker ARM SEED``, one of its runs); returns the exit code."""
     parser = argparse.ArgumentParser(prog="lpa3 compare", description=__doc__.split("\n\n")[0],
                                      usage="lpa3 compare --config FILE [--config FILE ...] --seeds S [S ...] --out DIR "
-                                           "[--jobs N] [--threads T] [lpa3 fit overrides ...]")
+                                           "[--arms A [A ...]] [--jobs N] [--threads T] [lpa3 fit overrides ...]")
     add = parser.add_argument
     add("--config", action="append", required=True, help="an `lpa3 fit` YAML config (repeatable)")
     add("--seeds", type=int, nargs="+", default=None, help="the paired seeds (3 or more for a verdict)")
     add("--out", type=Path, required=True, help="folder of the runs' JSON, logs and checkpoints")
+    add("--arms", nargs="+", default=None, metavar="ARM",
+        help=f"the arms, of {', '.join(ARMS)} (default: {' '.join(DEFAULT_ARMS)}, or with --summary-only the arms "
+             "in --out; add null for the solver's part)")
     add("--jobs", type=int, default=1, help="runs at a time (each in its own process)")
     add("--threads", type=int, default=1, help="torch threads of each run")
     add("--summary-only", action="store_true", help="print the summary of the runs in --out")
@@ -229,7 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.config:
         if not Path(path).is_file():
             parser.error(f"--config {path} does not exist. Fix: pass the YAML config of an `lpa3 fit` run.")
+    for arm in args.arms or ():
+        if arm not in ARMS:
+            noise = (" The noise control needs its norm: set augment: noise and noise_norm in a config and run it with "
+                     "lpa3 fit.") if arm == "noise" else ""
+            parser.error(f"--arms: {arm!r} is not an arm; the arms are {', '.join(ARMS)}.{noise}")
+    if args.arms is not None and (len(set(args.arms)) != len(args.arms) or len(args.arms) < 2):
+        parser.error(f"--arms {' '.join(args.arms)}: give two or more distinct arms of {', '.join(ARMS)}. Fix: e.g. "
+                     "--arms lpa3 null off (the null control's difference from lpa3 is the solver's part).")
     if args.worker is not None:
+        if args.worker[0] not in ARMS:
+            parser.error(f"--worker {args.worker[0]}: not an arm; the arms are {', '.join(ARMS)}.")
         worker(args.config, overrides, args.worker[0], int(args.worker[1]), args.out, args.threads)
         return 0
     if not args.seeds:
@@ -241,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     if args.summary_only:
-        print(summarize(load_runs(args.out), args.seeds))
+        runs = load_runs(args.out)
+        print(summarize(runs, args.seeds, args.arms or [arm for arm in ARMS if any(a == arm for a, _ in runs)]))
         return 0
-    planned, done = [(arm, seed) for seed in args.seeds for arm in ARMS], load_runs(args.out)
+    args.arms = args.arms or list(DEFAULT_ARMS)
+    planned, done = [(arm, seed) for seed in args.seeds for arm in args.arms], load_runs(args.out)
     mine = fingerprint(args.config, overrides)
     foreign = sorted(f"{run_name(*run)}.json" for run, record in done.items() if record.get("fingerprint") != mine)
     if foreign:
@@ -251,13 +298,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', ...' if len(foreign) > 4 else ''}), which this comparison would count as its own. Fix: "
                      "pass a new --out, or the configs and overrides those runs were made with.")
     todo = [run for run in planned if run not in done]
-    print(f"lpa3 compare: {len(planned)} runs ({len(args.seeds)} seeds x arms {', '.join(ARMS)}), "
+    print(f"lpa3 compare: {len(planned)} runs ({len(args.seeds)} seeds x arms {', '.join(args.arms)}), "
           f"{len(planned) - len(todo)} already in {args.out}, {len(todo)} to run, {args.jobs} at a time, "
           f"{args.threads} thread(s) each", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:  # (a run at a time per thread, each in its own process)
         failed = [failure for failure in pool.map(lambda job: _run(args, overrides, *job[1], job[0], len(planned)),
                                                   enumerate(todo, start=len(planned) - len(todo) + 1)) if failure]
-    print("\n" + summarize(load_runs(args.out), args.seeds))
+    print("\n" + summarize(load_runs(args.out), args.seeds, args.arms))
     if failed:
         print(f"\n{len(failed)} run(s) failed: " + "; ".join(failed), file=sys.stderr)
         return 1

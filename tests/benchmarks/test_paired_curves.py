@@ -73,3 +73,16 @@ def test_noisy_table_runs_are_read_by_test_acc_and_the_runs_below_the_base_count
     assert row["below"] == sum(d < 0 for d in by_hand) == 2
     assert row["above"] == 1
     assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(row["diffs"], by_hand))
+
+
+def test_a_spread_too_wide_to_size_prints_the_cap_not_none(tmp_path):
+    # differences of -30 / +30 / -30 points: no number of seeds up to the cap finds +1 point at 80% power
+    base = {100: [0.5] * 3, 101: [0.5] * 3, 102: [0.5] * 3}
+    arm = {100: [0.2] * 3, 101: [0.8] * 3, 102: [0.2] * 3}
+    for method, curves in (("base", base), ("arm", arm)):
+        for seed, curve in curves.items():
+            write_run(tmp_path, method, seed, curve)
+    printed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_curves.py"), str(tmp_path),
+                              "--pairs", "arm:base"], check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    row = next(line for line in printed.splitlines() if line.startswith("| arm minus base | last3"))
+    assert row.rstrip().endswith("| > 1000 / > 1000 |") and "None" not in printed

@@ -245,6 +245,28 @@ def test_the_shared_forward_serves_only_its_own_step_and_only_a_forward_with_gra
     assert module.fixmatch_forward(batch)[1] is not kept[1] and module._fixmatch_shared is None
 
 
+def test_the_forward_is_shared_by_the_strategys_exact_type_not_a_subclass_of_ddp():
+    """One device shares; a strategy that subclasses DDPStrategy (as DeepSpeedStrategy does) does not, though
+    isinstance would call it DDP; FSDP does not; share_forward=False never does."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    class LikeDeepSpeed(DDPStrategy):  # (DeepSpeedStrategy needs deepspeed installed; its base is the point)
+        pass
+
+    module = UserFixMatch(num_unlabeled=16)
+    shares = {}
+    for name, strategy in (("single", SingleDeviceStrategy(torch.device("cpu"))), ("like_deepspeed", LikeDeepSpeed()),
+                           ("fsdp", FSDPStrategy())):
+        module._trainer = SimpleNamespace(strategy=strategy)
+        shares[name] = module._fixmatch_shares_forward()
+    assert shares == {"single": True, "like_deepspeed": False, "fsdp": False}
+    module.lpa3_settings = replace(module.lpa3_settings, share_forward=False)
+    module._trainer = SimpleNamespace(strategy=SingleDeviceStrategy(torch.device("cpu")))
+    assert module._fixmatch_shares_forward() is False
+
+
 def test_without_the_callback_it_is_plain_fixmatch(tmp_path):
     pl.seed_everything(0)
     module = UserFixMatch(num_unlabeled=64)
