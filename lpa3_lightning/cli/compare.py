@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lpa3_lightning.cli.paired import paired_difference, seeds_needed
+from lpa3_lightning.cli.paired import paired_difference, seeds_needed, seeds_needed_text
 
 __all__ = ["ARMS", "DEFAULT_ARMS", "comparisons", "main", "run_name", "summarize"]
 
@@ -220,12 +220,12 @@ def summarize(runs: dict[tuple[str, int], dict], seeds: Sequence[int], arms: Seq
             if not d["n"]:
                 continue
             low, high = d["ci"]
-            need = [seeds_needed(effect, d["std"]) if d["n"] > 1 else None for effect in (0.01, 0.02)]
+            need = [seeds_needed_text(seeds_needed(effect, d["std"]), d["std"]) for effect in (0.01, 0.02)]
             lines.append(f"{metric}: {arm} - {base} over {d['n']} seeds: mean {d['mean']:+.4f}"
                          + (f" +- {d['std']:.4f} (sd), 95% interval [{low:+.4f}, {high:+.4f}]" if d["n"] > 1 else "")
                          + f", {arm} above on {d['above']} of {d['n']}: {d['verdict']}"
-                         + (f"; at this spread +1 point (0.01) needs {need[0] or '>1000'} seeds, +2 points "
-                            f"{need[1] or '>1000'}" if d["n"] > 1 else ""))
+                         + (f"; at this spread +1 point (0.01) needs {need[0]} seeds, +2 points {need[1]}"
+                            if d["n"] > 1 else ""))
     for arm, base in comparisons(arms):
         paired = [s for s in seeds if (arm, s) in runs and (base, s) in runs]
         if paired:

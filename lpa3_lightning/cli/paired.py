@@ -15,7 +15,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
-__all__ = ["MIN_SEEDS", "paired_difference", "seeds_needed", "t_quantile"]
+__all__ = ["MIN_SEEDS", "paired_difference", "seeds_needed", "seeds_needed_text", "t_quantile"]
 
 #: fewer seeds than this give no verdict (an interval from two seeds spans almost anything)
 MIN_SEEDS = 3
@@ -116,6 +116,22 @@ def seeds_needed(effect: float, std: float, power: float = 0.8, confidence: floa
         if _power(effect, std, n, confidence) >= power:
             return max(n, MIN_SEEDS)
     return None
+
+
+def seeds_needed_text(needed: int | None, std: float, most: int = 1000) -> str:
+    """How a table prints :func:`seeds_needed`'s answer ``needed`` for differences that spread by ``std``:
+    ``"n/a"`` where there is no spread to size from (one seed, a non-finite value), ``"> most"`` where even
+    ``most`` seeds fall short (its None), else the count.
+
+    Example:
+        >>> seeds_needed_text(seeds_needed(0.01, 0.2), 0.2), seeds_needed_text(14, 0.012)
+        ('> 1000', '14')
+        >>> seeds_needed_text(None, math.nan)
+        'n/a'
+    """
+    if not math.isfinite(std):
+        return "n/a"
+    return f"> {most}" if needed is None else str(needed)
 
 
 def paired_difference(base: Mapping[int, float], other: Mapping[int, float], confidence: float = 0.95) -> dict:

@@ -86,3 +86,60 @@ def test_a_spread_too_wide_to_size_prints_the_cap_not_none(tmp_path):
                               "--pairs", "arm:base"], check=True, capture_output=True, text=True, cwd=ROOT).stdout
     row = next(line for line in printed.splitlines() if line.startswith("| arm minus base | last3"))
     assert row.rstrip().endswith("| > 1000 / > 1000 |") and "None" not in printed
+
+
+def test_equal_compute_reads_the_arm_at_s_against_the_base_interpolated_at_ratio_s(tmp_path):
+    # evaluations every 25 steps up to 125; at ratio 2.2 the arm's last step s with 2.2 s <= 125 is 50, and the
+    # base is read at 110, 40% of the way from its step-100 to its step-125 evaluation
+    base = {100: [0.1, 0.2, 0.3, 0.4, 0.9], 101: [0.2, 0.2, 0.4, 0.5, 0.5], 102: [0.1, 0.3, 0.3, 0.6, 0.8]}
+    arm = {100: [0.3, 0.5, 0.9, 0.9, 0.9], 101: [0.3, 0.4, 0.9, 0.9, 0.9], 102: [0.2, 0.7, 0.9, 0.9, 0.9]}
+    for method, curves in (("base", base), ("arm", arm)):
+        for seed, curve in curves.items():
+            write_run(tmp_path, method, seed, curve)
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_curves.py"), str(tmp_path), "--pairs",
+                    "arm:base", "--equal-compute", "arm:base:2.2", "--json", str(out)], check=True,
+                   capture_output=True, cwd=ROOT)
+    row = next(r for r in json.loads(out.read_text()) if r["measure"].startswith("equal compute"))
+    assert row["arm_step"] == 50 and math.isclose(row["base_step"], 110)
+    by_hand = [arm[s][1] - (base[s][3] + 0.4 * (base[s][4] - base[s][3])) for s in (100, 101, 102)]
+    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(row["diffs"], by_hand))
+    assert math.isclose(row["mean"], sum(by_hand) / 3, abs_tol=1e-12)
+
+
+def test_an_equal_compute_reading_of_the_wrong_form_or_past_the_base_is_refused(tmp_path):
+    for method in ("arm", "base"):
+        write_run(tmp_path, method, 100, [0.5] * 3)
+    script = [sys.executable, str(ROOT / "benchmarks" / "paired_curves.py"), str(tmp_path), "--pairs", "arm:base"]
+    bad = subprocess.run([*script, "--equal-compute", "arm:base"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "ARM:BASE:RATIO" in bad.stderr
+    # at ratio 4 even the arm's first evaluation (step 25) costs 100 base steps, past the base's last (75)
+    past = subprocess.run([*script, "--equal-compute", "arm:base:4"], capture_output=True, text=True, cwd=ROOT)
+    assert past.returncode != 0 and "no evaluation step" in past.stderr
+
+
+def test_a_cached_run_is_its_own_arm_and_a_repeated_run_is_refused(tmp_path):
+    # ssl_table.py writes the cache arm with the uncached run's method; its regenerate_every_n_epochs tells them apart
+    for name, regenerate, level in (("lpa3.json", 1, 0.8), ("lpa3_k6.json", 6, 0.6), ("base.json", 1, 0.5)):
+        points = [{"step": 100 * (i + 1), "raw_test_acc": level} for i in range(3)]
+        method = "base" if name == "base.json" else "fixmatch_lpa3"
+        (tmp_path / name).write_text(json.dumps({"method": method, "seed": 100, "curve": points,
+                                                 "regenerate_every_n_epochs": regenerate, "wall_seconds": 1.0}))
+    script = [sys.executable, str(ROOT / "benchmarks" / "paired_curves.py"), str(tmp_path)]
+    printed = subprocess.run([*script, "--pairs", "fixmatch_lpa3:base", "fixmatch_lpa3_k6:base"], check=True,
+                             capture_output=True, text=True, cwd=ROOT).stdout
+    assert "| fixmatch_lpa3 minus base | last3 | +30.0 |" in printed
+    assert "| fixmatch_lpa3_k6 minus base | last3 | +10.0 |" in printed
+    # an arm the folder does not hold is named, with the arms it does hold
+    typo = subprocess.run([*script, "--pairs", "fixmatch_lpa3_k10:base"], capture_output=True, text=True, cwd=ROOT)
+    assert typo.returncode != 0 and "no run of arm(s) fixmatch_lpa3_k10" in typo.stderr
+    assert "base, fixmatch_lpa3, fixmatch_lpa3_k6" in typo.stderr
+    # plain FixMatch has no cache: its regenerate_every_n_epochs (ssl_table.py writes it for every run) names no arm
+    plain = json.loads((tmp_path / "base.json").read_text())
+    (tmp_path / "fixmatch.json").write_text(json.dumps({**plain, "method": "fixmatch", "regenerate_every_n_epochs": 6}))
+    assert subprocess.run([*script, "--pairs", "fixmatch_lpa3:fixmatch"], capture_output=True, cwd=ROOT).returncode == 0
+    # a second run of one arm and seed from another protocol is refused, with what differs
+    (tmp_path / "again.json").write_text(json.dumps({**json.loads((tmp_path / "lpa3.json").read_text()), "labels": 40}))
+    twice = subprocess.run([*script, "--pairs", "fixmatch_lpa3:base"], capture_output=True, text=True, cwd=ROOT)
+    assert twice.returncode != 0 and "two runs of arm fixmatch_lpa3 seed 100" in twice.stderr
+    assert "they differ in labels" in twice.stderr

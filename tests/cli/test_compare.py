@@ -178,6 +178,10 @@ def test_the_summary_of_three_arms_pairs_each_with_off_and_lpa3_with_null():
     given_order = summarize(runs, [0, 1, 2], ["null", "off", "lpa3"])
     assert [line.split(" over")[0] for line in given_order.splitlines() if " over 3 seeds" in line] == [
         "test/acc: lpa3 - off", "test/acc: null - off", "test/acc: lpa3 - null"]
+    # a spread too wide to size prints the cap, as benchmarks/paired_curves.py does
+    wide = {(arm, seed): {"metrics": {"test/acc": 0.5 + (0.9 if arm == "lpa3" and seed == 1 else 0.0)},
+                          "wall_seconds": 1.0} for arm in ("lpa3", "off") for seed in range(3)}
+    assert "+1 point (0.01) needs > 1000 seeds, +2 points > 1000" in summarize(wide, [0, 1, 2])
     # the default arms print what they printed before: one pair
     assert "null" not in summarize({k: v for k, v in runs.items() if k[0] != "null"}, [0, 1, 2])
 

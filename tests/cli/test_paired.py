@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lpa3_lightning.cli.paired import paired_difference
+from lpa3_lightning.cli.paired import paired_difference, seeds_needed, seeds_needed_text
 
 
 def test_a_paired_difference_gives_the_t_interval_of_the_mean_and_its_verdict():
@@ -85,3 +85,11 @@ def test_too_few_seeds_or_no_spread_give_no_verdict(base, other, verdict):
 def test_a_bad_confidence_is_refused_by_name():
     with pytest.raises(ValueError, match="`confidence` must be in"):
         paired_difference({0: 0.5}, {0: 0.6}, confidence=95)
+
+
+def test_the_printed_seeds_needed_say_why_there_is_no_count():
+    """One text for both tables (`lpa3 compare`, benchmarks/paired_curves.py): the count, the cap when even
+    1,000 seeds fall short, and "n/a" when there is no spread to size from."""
+    assert seeds_needed_text(seeds_needed(0.01, 0.012), 0.012) == str(seeds_needed(0.01, 0.012))
+    assert seeds_needed(0.01, 0.5) is None and seeds_needed_text(seeds_needed(0.01, 0.5), 0.5) == "> 1000"
+    assert seeds_needed_text(None, math.nan) == "n/a" and seeds_needed_text(None, math.inf) == "n/a"
