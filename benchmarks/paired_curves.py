@@ -105,11 +105,9 @@ def equal_compute_step(arm_run: dict, base_run: dict, ratio: float) -> float:
 
 
 def _row(arm: str, base: str, measure: str, base_values: dict, arm_values: dict) -> dict:
-    stats = paired_difference(base_values, arm_values)
-    spread = stats["std"] if math.isfinite(stats["std"]) else math.nan
+    stats = paired_difference(base_values, arm_values)  # (seeds_needed answers None for a non-finite spread)
     return {"arm": arm, "base": base, "measure": measure, **stats,
-            "seeds_for_1pt": seeds_needed(0.01, spread) if math.isfinite(spread) else None,
-            "seeds_for_2pt": seeds_needed(0.02, spread) if math.isfinite(spread) else None}
+            "seeds_for_1pt": seeds_needed(0.01, stats["std"]), "seeds_for_2pt": seeds_needed(0.02, stats["std"])}
 
 
 def equal_compute_row(runs: dict[str, dict[int, dict]], arm: str, base: str, ratio: float) -> dict:
@@ -128,11 +126,9 @@ def equal_compute_row(runs: dict[str, dict[int, dict]], arm: str, base: str, rat
 
 
 def pair_rows(runs: dict[str, dict[int, dict]], pairs: list[tuple[str, str]]) -> list[dict]:
-    """One row per (arm, base, measure) over the seeds both arms finished."""
+    """One row per (arm, base, measure) over the seeds both arms finished (``main`` refuses an arm ``runs`` lacks)."""
     rows = []
     for arm, base in pairs:
-        if arm not in runs or base not in runs:
-            continue
         measured = {m: {s: run_measures(r) for s, r in runs[m].items()} for m in (arm, base)}
         for measure in ("last3", "curve_mean"):
             rows.append(_row(arm, base, measure, {s: v[measure] for s, v in measured[base].items()},

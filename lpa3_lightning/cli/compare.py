@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     if args.summary_only:
         runs = load_runs(args.out)
-        print(summarize(runs, args.seeds, args.arms or [arm for arm in ARMS if any(a == arm for a, _ in runs)]))
+        print(summarize(runs, args.seeds, args.arms or [arm for arm in ARMS if arm in {a for a, _ in runs}]))
         return 0
     args.arms = args.arms or list(DEFAULT_ARMS)
     planned, done = [(arm, seed) for seed in args.seeds for arm in args.arms], load_runs(args.out)
