@@ -15,10 +15,12 @@ import math
 import statistics
 from collections.abc import Mapping
 
-__all__ = ["MIN_SEEDS", "paired_difference", "seeds_needed", "seeds_needed_text", "t_quantile"]
+__all__ = ["MIN_SEEDS", "MOST_SEEDS", "paired_difference", "seeds_needed", "seeds_needed_text", "t_quantile"]
 
 #: fewer seeds than this give no verdict (an interval from two seeds spans almost anything)
 MIN_SEEDS = 3
+#: the most seeds :func:`seeds_needed` tries, and the cap :func:`seeds_needed_text` prints when they fall short
+MOST_SEEDS = 1000
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:
@@ -99,7 +101,7 @@ def _power(effect: float, std: float, n: int, confidence: float) -> float:
 
 
 def seeds_needed(effect: float, std: float, power: float = 0.8, confidence: float = 0.95,
-                 most: int = 1000) -> int | None:
+                 most: int = MOST_SEEDS) -> int | None:
     """The fewest seeds whose paired t test (two-sided, at ``confidence``) finds a mean difference of
     ``effect`` with probability ``power`` when the differences spread by ``std`` (None: none up to ``most``;
     a spread of 0 needs :data:`MIN_SEEDS`).
@@ -118,7 +120,7 @@ def seeds_needed(effect: float, std: float, power: float = 0.8, confidence: floa
     return None
 
 
-def seeds_needed_text(needed: int | None, std: float, most: int = 1000) -> str:
+def seeds_needed_text(needed: int | None, std: float, most: int = MOST_SEEDS) -> str:
     """How a table prints :func:`seeds_needed`'s answer ``needed`` for differences that spread by ``std``:
     ``"n/a"`` where there is no spread to size from (one seed, a non-finite value), ``"> most"`` where even
     ``most`` seeds fall short (its None), else the count.
